@@ -1,0 +1,33 @@
+# Sluicegate: `make run` starts the demo, `make test` runs the tests; both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup  ## gateway on 127.0.0.1:8080 in front of three simulated pods on MIG slices
+	$(BIN)/sluicegate demo
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup lint  ## unit and system tests over real sockets
+	$(BIN)/python -m pytest -q
+
+bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it can
+	@command -v nginx >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null 2>&1; } || \
+		echo "bench: nginx could not be installed; its rows will be skipped"
+	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,121 @@
+"""Application assembly: the relay's hot path in front, Starlette for everything else.
+
+Inference routes go straight to the raw-ASGI relay (no middleware wraps its per-chunk sends);
+the control plane (models, health, readiness, metrics, admin) is an ordinary Starlette app,
+which also runs the lifespan: the upstream session and the discovery loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.admit import ROUTES
+from gateway.config import Config
+from gateway.errors import error_body
+from gateway.metrics import GatewayMetrics
+from gateway.pods.discovery import discovery_loop, refresh_all
+from gateway.pods.registry import PodRegistry
+from gateway.relay import Receive, Relay, Scope, Send
+from transports.upstream import open_session
+
+
+class Gateway:
+    """The ASGI application uvicorn serves."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.registry = PodRegistry(config.pods)
+        self._session: aiohttp.ClientSession | None = None
+        self.relay = Relay(config, self.registry, self.metrics, self.session)
+        self.started = time.time()
+        self.control = Starlette(
+            routes=[
+                Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/healthz", self.healthz, methods=["GET"]),
+                Route("/readyz", self.readyz, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/admin/pods", self.admin_pods, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_error},
+            lifespan=self._lifespan,
+        )
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the upstream session exists only while the app is running")
+        return self._session
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            route = ROUTES.get(scope["path"])
+            if route is not None:
+                await self.relay(scope, receive, send, route)
+                return
+        await self.control(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        self._session = open_session(self.config.upstream)
+        discovery = self.config.discovery
+        # One round before serving, so the first requests already know every pod's models.
+        await refresh_all(self.registry, self._session, discovery, self.metrics)
+        loop_task = asyncio.create_task(
+            discovery_loop(self.registry, self.session, discovery, self.metrics), name="discovery"
+        )
+        try:
+            yield
+        finally:
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+            await self._session.close()
+            self._session = None
+
+    async def list_models(self, _request: Request) -> Response:
+        created = int(self.started)
+        return JSONResponse({
+            "object": "list",
+            "data": [
+                {"id": model, "object": "model", "created": created, "owned_by": "sluicegate"}
+                for model in self.registry.models()
+            ],
+        })
+
+    async def healthz(self, _request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, _request: Request) -> Response:
+        models = self.registry.routable_models()
+        if models:
+            return JSONResponse({"status": "ready", "models": models})
+        return JSONResponse({"status": "not_ready", "reason": "no routable pod for any model"}, 503)
+
+    async def prometheus(self, _request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def admin_pods(self, _request: Request) -> Response:
+        return JSONResponse({"pods": self.registry.snapshot()})
+
+
+async def _http_error(_request: Request, exc: Any) -> Response:
+    """404/405 and friends in the OpenAI error shape, like every other error the gateway sends."""
+    status = exc.status_code
+    if status == 404:
+        body = error_body("No such route on this gateway.", "invalid_request_error", "not_found")
+    elif status == 405:
+        body = error_body("Method not allowed on this route.", "invalid_request_error", "method_not_allowed")
+    else:
+        body = error_body(str(exc.detail), "invalid_request_error", str(status))
+    return Response(body, status, headers=exc.headers, media_type="application/json")

@@ -1,0 +1,157 @@
+"""Gateway configuration: YAML in, immutable validated models out.
+
+Config is data: every setting is checked once at start-up and then shared read-only, so the request
+path never re-validates anything. A bad file becomes one readable paragraph (``ConfigError``), never
+a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MigIdentity(_Frozen):
+    """Which GPU and MIG slice a pod runs on (as NVML and the device plugin name them)."""
+
+    gpu_uuid: str = Field(pattern=r"^GPU-")
+    mig_uuid: str | None = Field(default=None, pattern=r"^MIG-")
+    profile: str | None = Field(default=None, pattern=r"^\d+g\.\d+gb(\+\w+)?$")
+
+
+class PodConfig(_Frozen):
+    """One inference pod (an OpenAI-compatible server such as vLLM)."""
+
+    name: str = Field(min_length=1)
+    url: str
+    models: tuple[str, ...] = ()
+    mig: MigIdentity | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError("must be the pod's base URL without a path (the gateway adds /v1/...)")
+        return value.rstrip("/")
+
+
+class ServerConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    access_log: bool = True
+
+
+class UpstreamConfig(_Frozen):
+    """The one pooled HTTP client the gateway uses to reach pods."""
+
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    pool_limit: int = Field(default=0, ge=0, description="0 = no cap on open connections")
+    pool_limit_per_pod: int = Field(default=0, ge=0, description="0 = no cap per pod")
+    keepalive_timeout_s: float = Field(default=30.0, gt=0)
+    max_error_body_bytes: int = Field(default=64 * 1024, gt=0)
+
+
+class DiscoveryConfig(_Frozen):
+    """How often pods are asked which models they serve (``GET /v1/models``)."""
+
+    refresh_interval_s: float = Field(default=15.0, gt=0)
+    retry_interval_s: float = Field(default=1.0, gt=0)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+
+
+class Config(_Frozen):
+    server: ServerConfig = ServerConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    pods: tuple[PodConfig, ...] = ()
+
+    @field_validator("pods")
+    @classmethod
+    def _unique_names(cls, pods: tuple[PodConfig, ...]) -> tuple[PodConfig, ...]:
+        seen: set[str] = set()
+        for pod in pods:
+            if pod.name in seen:
+                raise ValueError(f"pod name {pod.name!r} is used twice; names must be unique")
+            seen.add(pod.name)
+        return pods
+
+
+class ConfigError(Exception):
+    """A config problem worded for the operator: which file, which field, what is wrong."""
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        problems.append(f"'{where}': {message}")
+    count = len(problems)
+    return f"{source} has {count} problem{'s' if count > 1 else ''}: " + "; ".join(problems) + "."
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    """Validate already-parsed data (a mapping) into a ``Config``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a YAML mapping at the top level, not {type(data).__name__}.")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path} is not valid YAML{where}: {problem}.") from None
+    return parse_config(data, str(path))
+
+
+def with_overrides(
+    config: Config,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    upstreams: list[str] | None = None,
+) -> Config:
+    """Apply command-line flags on top of a file's config (flags win; ``--upstream`` adds pods)."""
+    raw = config.model_dump()
+    raw["pods"] = list(raw["pods"])
+    if host is not None:
+        raw["server"]["host"] = host
+    if port is not None:
+        raw["server"]["port"] = port
+    if upstreams:
+        names = {pod["name"] for pod in raw["pods"]}
+        for index, url in enumerate(upstreams, start=1):
+            name = f"upstream-{index}"
+            while name in names:
+                name += "x"
+            names.add(name)
+            raw["pods"].append({"name": name, "url": url})
+    return parse_config(raw, "command-line flags")

@@ -1,0 +1,94 @@
+"""Prometheus metrics for the gateway.
+
+Children with fixed labels are resolved once and cached, and per-stream counts are accumulated
+in locals and added once when the stream ends: the per-token path touches no metric at all.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+
+
+class GatewayMetrics:
+    """All of the gateway's series, registered on one registry (one per gateway instance)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+        self.registry = registry
+        self.requests = Counter(
+            "sluicegate_requests_total",
+            "Requests answered, by route, model and HTTP status.",
+            ["route", "model", "status"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "sluicegate_request_duration_seconds",
+            "Whole request time, from the request's arrival to its last byte.",
+            ["route", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "sluicegate_time_to_first_token_seconds",
+            "From the request's arrival to the first token sent to the client.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "sluicegate_in_flight_requests",
+            "Requests being relayed right now, per pod.",
+            ["pod"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "sluicegate_upstream_errors_total",
+            "Failures talking to a pod, by kind (connect, status, protocol, broken_stream).",
+            ["pod", "kind"],
+            registry=registry,
+        )
+        self.client_disconnects = Counter(
+            "sluicegate_client_disconnects_total",
+            "Clients that went away before their answer was complete.",
+            ["model"],
+            registry=registry,
+        )
+        self.stream_chunks = Counter(
+            "sluicegate_stream_chunks_total",
+            "Upstream reads relayed to streaming clients (each holds one or more SSE events).",
+            ["model"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "sluicegate_tokens_total",
+            "Tokens reported in pods' usage objects, by kind (prompt, completion).",
+            ["model", "kind"],
+            registry=registry,
+        )
+        self.pod_up = Gauge(
+            "sluicegate_pod_up",
+            "1 when the pod answered its last discovery probe, else 0.",
+            ["pod"],
+            registry=registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

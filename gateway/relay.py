@@ -1,0 +1,388 @@
+"""The hot path: relay one inference request to a pod and its answer back to the client.
+
+A raw ASGI handler, not a Starlette endpoint: at 100 concurrent streams every per-chunk layer of
+Python (response wrappers, middleware send-wrappers, queues) costs a measurable share of a core.
+Per chunk this does one upstream read and one ASGI send of the very bytes the pod produced.
+
+Phases (named in the code below): admit → pick → connect → await first token → relay → finish.
+Response status and headers are held until the pod's first token has arrived, so any failure
+before that is still answered with a proper status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
+from gateway.config import Config
+from gateway.errors import GatewayError, model_not_found, no_capacity, upstream_failed
+from gateway.metrics import GatewayMetrics
+from gateway.pods.registry import Pod, PodRegistry
+from transports import sse
+from transports.upstream import BROKEN_ERRORS, CONNECT_ERRORS
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+access_log = logging.getLogger("sluicegate.access")
+
+_JSON = b"application/json"
+_SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+
+
+class DisconnectWatch:
+    """Cancels the request's task the moment the client goes away.
+
+    uvicorn reports a disconnect only through ``receive()``, and a ``send()`` to a closed
+    connection silently does nothing; without this watch a stream whose client left would keep
+    the pod generating until its natural end.
+    """
+
+    __slots__ = ("_task", "_watcher", "finished", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self.finished = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.finished and self._task is not None:
+                    self.gone = True
+                    self._task.cancel()
+                return
+
+    def close(self) -> None:
+        self._watcher.cancel()
+
+
+class Outcome:
+    """What one request learned on its way through; read by the access log and metrics."""
+
+    __slots__ = ("chunks", "detail", "pod", "status", "ttft")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.pod: Pod | None = None
+        self.ttft: float | None = None
+        self.chunks = 0
+        self.detail = "ok"
+
+
+class Relay:
+    """Serves ``/v1/chat/completions`` and ``/v1/completions`` against the pod registry."""
+
+    def __init__(
+        self,
+        config: Config,
+        registry: PodRegistry,
+        metrics: GatewayMetrics,
+        session: Callable[[], aiohttp.ClientSession],
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self._session = session
+        self._in_flight_gauges = {p.name: metrics.in_flight.labels(p.name) for p in registry.pods}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        started = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        rid = request_id(headers)
+        outcome = Outcome()
+        model_label = "unknown"
+        req: InferenceRequest | None = None
+        try:
+            if scope["method"] != "POST":
+                raise GatewayError(
+                    405, f"Method {scope['method']} is not allowed here; use POST.",
+                    "invalid_request_error", "method_not_allowed", headers=(("allow", "POST"),),
+                )
+            # admit
+            body = await read_body(receive, headers, self.config.server.max_body_bytes)
+            req = parse_request(route, body)
+            # pick
+            if not self.registry.knows(req.model):
+                raise model_not_found(req.model)
+            model_label = req.model
+            pod = self.registry.pick(req.model)
+            if pod is None:
+                raise no_capacity(req.model)
+            outcome.pod = pod
+            await self._proxy(req, pod, rid, receive, send, started, outcome)
+        except GatewayError as err:
+            outcome.status = err.status
+            outcome.detail = str(err.code or err.type)
+            await _send_error(send, err, rid)
+        except ClientGone:
+            outcome.status = 499
+            outcome.detail = "client_gone"
+        finally:
+            self._finish(req, route, model_label, rid, outcome, started)
+
+    async def _proxy(
+        self,
+        req: InferenceRequest,
+        pod: Pod,
+        rid: str,
+        receive: Receive,
+        send: Send,
+        started: float,
+        outcome: Outcome,
+    ) -> None:
+        pod.in_flight += 1
+        gauge = self._in_flight_gauges[pod.name]
+        gauge.inc()
+        watch = DisconnectWatch(receive)
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            # connect
+            try:
+                resp = await self._session().post(
+                    pod.url + ("/v1/chat/completions" if req.route == "chat" else "/v1/completions"),
+                    data=req.body,
+                    headers={
+                        "content-type": "application/json",
+                        "accept-encoding": "identity",
+                        "x-request-id": rid,
+                    },
+                )
+            except CONNECT_ERRORS as exc:
+                self.metrics.upstream_errors.labels(pod.name, "connect").inc()
+                # Stop sending it new work; discovery asks it again within retry_interval_s.
+                pod.reachable = False
+                pod.last_error = f"connect: {_reason(exc)}"
+                raise upstream_failed(pod.name, f"could not connect ({_reason(exc)}).") from None
+            except BROKEN_ERRORS as exc:
+                self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
+                raise upstream_failed(pod.name, f"connection failed ({_reason(exc)}).") from None
+            if resp.status != 200:
+                raise await self._pod_error(pod, resp)
+            content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
+            if req.stream and content_type.startswith(b"text/event-stream"):
+                await self._relay_stream(req, pod, resp, rid, content_type, send, watch, started, outcome)
+            else:
+                await self._relay_whole(req, pod, resp, rid, content_type, send, watch, outcome)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            outcome.status = 499
+            outcome.detail = "client_gone"
+            self.metrics.client_disconnects.labels(req.model).inc()
+        finally:
+            watch.close()
+            if resp is not None:
+                # A fully read answer hands its connection back to the pool; anything else closes
+                # it, which is how the pod learns to abort the generation.
+                if resp.content.at_eof() and outcome.detail == "ok":
+                    resp.release()
+                else:
+                    resp.close()
+            pod.in_flight -= 1
+            gauge.dec()
+
+    async def _pod_error(self, pod: Pod, resp: aiohttp.ClientResponse) -> GatewayError:
+        """Turn a pod's non-200 answer into the client's: OpenAI error bodies pass through as is."""
+        self.metrics.upstream_errors.labels(pod.name, "status").inc()
+        limit = self.config.upstream.max_error_body_bytes
+        try:
+            raw = await resp.content.read(limit)
+        except BROKEN_ERRORS:
+            raw = b""
+        retry_after = resp.headers.get("retry-after")
+        extra = (("retry-after", retry_after),) if retry_after else ()
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            err = payload.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return GatewayError(resp.status, err["message"], headers=extra, raw_body=raw)
+            if payload.get("object") == "error" and isinstance(payload.get("message"), str):
+                # vLLM before 0.10.1 answered with a flat error object; give clients the nested one.
+                return GatewayError(
+                    resp.status, payload["message"], str(payload.get("type") or "upstream_error"),
+                    payload.get("code"), payload.get("param"), extra,
+                )
+        status = resp.status if resp.status in (502, 503, 504) else 502
+        if resp.status < 500:
+            status = resp.status
+        return GatewayError(
+            status, f"Upstream pod '{pod.name}' answered HTTP {resp.status} without an error body.",
+            "upstream_error", "bad_gateway" if status == 502 else f"upstream_{resp.status}", None, extra,
+        )
+
+    async def _relay_stream(
+        self,
+        req: InferenceRequest,
+        pod: Pod,
+        resp: aiohttp.ClientResponse,
+        rid: str,
+        content_type: bytes,
+        send: Send,
+        watch: DisconnectWatch,
+        started: float,
+        outcome: Outcome,
+    ) -> None:
+        read = resp.content.readany
+        # await first token: hold the status line until the client would see something real
+        head = b""
+        pos = 0
+        try:
+            while True:
+                chunk = await read()
+                if not chunk:
+                    if not head:
+                        raise upstream_failed(pod.name, "closed the stream before sending anything.")
+                    break
+                head += chunk
+                found, pos = sse.scan_first_token(head, pos)
+                if found:
+                    break
+        except sse.MalformedEvent as exc:
+            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
+            raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
+        except BROKEN_ERRORS as exc:
+            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+            detail = f"broke the stream before the first token ({_reason(exc)})."
+            raise upstream_failed(pod.name, detail) from None
+
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", content_type),
+                *_SSE_HEADERS,
+                (b"x-request-id", rid.encode()),
+                (b"x-sluicegate-pod", pod.name.encode()),
+            ],
+        })
+        outcome.status = 200
+        outcome.ttft = time.perf_counter() - started
+        await send({"type": "http.response.body", "body": head, "more_body": True})
+
+        # relay: the pod's bytes, as they arrive, untouched
+        chunks = 1
+        previous = b""
+        last = head
+        try:
+            while True:
+                chunk = await read()
+                if not chunk:
+                    break
+                chunks += 1
+                previous = last
+                last = chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except BROKEN_ERRORS as exc:
+            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+            outcome.detail = "upstream_broke_mid_stream"
+            err = upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)}).")
+            last = b""
+            await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
+        outcome.chunks = chunks
+        usage = sse.find_usage(previous + last) if last else None
+        if usage:
+            self._count_tokens(req.model, usage)
+        watch.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay_whole(
+        self,
+        req: InferenceRequest,
+        pod: Pod,
+        resp: aiohttp.ClientResponse,
+        rid: str,
+        content_type: bytes,
+        send: Send,
+        watch: DisconnectWatch,
+        outcome: Outcome,
+    ) -> None:
+        try:
+            body = await resp.read()
+        except BROKEN_ERRORS as exc:
+            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+            raise upstream_failed(pod.name, f"broke the answer ({_reason(exc)}).") from None
+        if content_type.startswith(_JSON):
+            try:
+                usage = json.loads(body).get("usage")
+            except (ValueError, AttributeError):
+                usage = None
+            if isinstance(usage, dict):
+                self._count_tokens(req.model, usage)
+        watch.finished = True
+        outcome.status = 200
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", rid.encode()),
+                (b"x-sluicegate-pod", pod.name.encode()),
+            ],
+        })
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _count_tokens(self, model: str, usage: dict[str, Any]) -> None:
+        for kind in ("prompt", "completion"):
+            value = usage.get(f"{kind}_tokens")
+            if isinstance(value, int) and value > 0:
+                self.metrics.tokens.labels(model, kind).inc(value)
+
+    def _finish(
+        self,
+        req: InferenceRequest | None,
+        route: str,
+        model: str,
+        rid: str,
+        outcome: Outcome,
+        started: float,
+    ) -> None:
+        elapsed = time.perf_counter() - started
+        m = self.metrics
+        m.requests.labels(route, model, str(outcome.status)).inc()
+        m.request_duration.labels(route, model).observe(elapsed)
+        if outcome.ttft is not None:
+            m.time_to_first_token.labels(model).observe(outcome.ttft)
+        if outcome.chunks:
+            m.stream_chunks.labels(model).inc(outcome.chunks)
+        if self.config.server.access_log:
+            access_log.info(
+                "rid=%s route=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "
+                "duration_ms=%.1f chunks=%d",
+                rid, route, model, int(bool(req and req.stream)),
+                outcome.pod.name if outcome.pod else "-", outcome.status, outcome.detail,
+                "-" if outcome.ttft is None else f"{outcome.ttft * 1000:.1f}",
+                elapsed * 1000, outcome.chunks,
+            )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+async def _send_error(send: Send, err: GatewayError, rid: str) -> None:
+    body = err.body()
+    headers = [
+        (b"content-type", _JSON),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode()),
+    ]
+    headers.extend((k.encode(), v.encode()) for k, v in err.headers)
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
