@@ -35,6 +35,31 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 access_log = logging.getLogger("sluicegate.access")
 
 _JSON = b"application/json"
+
+# Not forwarded to pods: hop-by-hop headers, ones the upstream client sets itself, and the
+# client's credentials for the gateway (pods are reached with the gateway's own identity).
+_NOT_FORWARDED = frozenset({
+    b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
+    b"trailer", b"upgrade", b"expect", b"proxy-authorization", b"proxy-connection",
+    b"accept-encoding", b"authorization", b"x-request-id", b"content-type",
+})
+
+
+def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple[str, str]]:
+    """The client's end-to-end headers for the pod, plus the request id and identity encoding.
+
+    The body was validated as JSON, so it is labelled as such whatever the client said (curl's
+    ``-d`` sends a form content type, which vLLM would refuse).
+    """
+    out = [
+        (name.decode("latin-1"), value.decode("latin-1"))
+        for name, value in headers
+        if name not in _NOT_FORWARDED
+    ]
+    out.append(("content-type", "application/json"))
+    out.append(("accept-encoding", "identity"))
+    out.append(("x-request-id", rid))
+    return out
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 
@@ -120,7 +145,7 @@ class Relay:
             if pod is None:
                 raise no_capacity(req.model)
             outcome.pod = pod
-            await self._proxy(req, pod, rid, receive, send, started, outcome)
+            await self._proxy(req, pod, headers, rid, receive, send, started, outcome)
         except GatewayError as err:
             outcome.status = err.status
             outcome.detail = str(err.code or err.type)
@@ -135,6 +160,7 @@ class Relay:
         self,
         req: InferenceRequest,
         pod: Pod,
+        headers: list[tuple[bytes, bytes]],
         rid: str,
         receive: Receive,
         send: Send,
@@ -152,11 +178,7 @@ class Relay:
                 resp = await self._session().post(
                     pod.url + ("/v1/chat/completions" if req.route == "chat" else "/v1/completions"),
                     data=req.body,
-                    headers={
-                        "content-type": "application/json",
-                        "accept-encoding": "identity",
-                        "x-request-id": rid,
-                    },
+                    headers=upstream_headers(headers, rid),
                 )
             except CONNECT_ERRORS as exc:
                 self.metrics.upstream_errors.labels(pod.name, "connect").inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 
 import uvicorn
@@ -28,7 +29,17 @@ class Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            # One machine-readable line on stdout: launchers wait for it instead of polling.
+            print(f"sluicegate listening on http://{host}:{port}", flush=True)
             self.listening.set()
+
+
+def raise_fd_limit() -> None:
+    """Each stream holds two sockets (client and pod): lift the soft fd limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def build_server(config: Config, log_level: str = "info") -> Server:
@@ -45,10 +56,12 @@ def build_server(config: Config, log_level: str = "info") -> Server:
         log_config=None,
         log_level=log_level,
         timeout_keep_alive=30,
+        backlog=4096,
         server_header=False,
     )
     return Server(uv_config)
 
 
 def serve(config: Config, log_level: str = "info") -> None:
+    raise_fd_limit()
     build_server(config, log_level).run()

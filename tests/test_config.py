@@ -1,0 +1,82 @@
+"""Config validation: good files load, bad ones give one clear paragraph and exit 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config, with_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_config_loads_with_three_pods_on_distinct_mig_slices() -> None:
+    config = load_config(ROOT / "config" / "demo.yaml")
+    assert [p.name for p in config.pods] == ["pod-a", "pod-b", "pod-c"]
+    slices = {p.mig.mig_uuid for p in config.pods}
+    gpus = {p.mig.gpu_uuid for p in config.pods}
+    assert len(slices) == 3 and len(gpus) == 1
+
+
+def test_example_config_loads() -> None:
+    config = load_config(ROOT / "config" / "example.yaml")
+    assert config.pods
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"pods": [{"name": "a", "url": "ftp://x"}]}, "'pods.0.url'"),
+        ({"pods": [{"name": "a", "url": "http://x:1/v1"}]}, "without a path"),
+        ({"server": {"port": 70000}}, "'server.port'"),
+        ({"server": {"prot": 1}}, "'server.prot': Extra inputs are not permitted"),
+        ({"pods": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}, "used twice"),
+        ({"pods": [{"name": "a", "url": "http://x", "mig": {"gpu_uuid": "nope"}}]}, "'pods.0.mig.gpu_uuid'"),
+        ([1, 2], "must be a YAML mapping"),
+    ],
+)
+def test_bad_config_names_the_field(data: object, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "test.yaml")
+    assert expected in str(info.value)
+    assert str(info.value).startswith("test.yaml")
+
+
+def test_flags_override_the_file_and_add_pods() -> None:
+    base = parse_config({"pods": [{"name": "upstream-1", "url": "http://a:1"}]})
+    config = with_overrides(base, port=9999, upstreams=["http://b:2/"])
+    assert config.server.port == 9999
+    assert [(p.name, p.url) for p in config.pods] == [("upstream-1", "http://a:1"), ("upstream-1x", "http://b:2")]
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", *args],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("pods: [{name: a, url: 'http://x:1'}\n", "is not valid YAML at line"),
+        ("pods:\n  - name: a\n    url: http://x:1\n    models: 7\n", "'pods.0.models'"),
+        ("upstream: {connect_timeout_s: -1}\npods: [{name: a, url: 'http://x:1'}]\n", "connect_timeout_s"),
+    ],
+)
+def test_cli_rejects_a_bad_file_without_a_traceback(tmp_path: Path, content: str, expected: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    result = _serve("--config", str(path))
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1  # one paragraph
+
+
+def test_cli_missing_file_and_no_pods_are_clear(tmp_path: Path) -> None:
+    missing = _serve("--config", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and "cannot read config file" in missing.stderr
+    empty = _serve()
+    assert empty.returncode == 2 and "no pods are configured" in empty.stderr
