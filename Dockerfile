@@ -1,0 +1,18 @@
+# Sluicegate gateway image: slim, non-root, `sluicegate serve` as the entrypoint.
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY gateway gateway
+COPY transports transports
+COPY loadtest loadtest
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin sluicegate
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY config /etc/sluicegate
+USER 10001
+EXPOSE 8080
+ENTRYPOINT ["sluicegate", "serve"]
+CMD ["--config", "/etc/sluicegate/example.yaml", "--host", "0.0.0.0"]

@@ -1,0 +1,107 @@
+"""Start the gateway as a real child process and wait for it to listen (tests, bench, soak).
+
+The gateway prints ``sluicegate listening on http://HOST:PORT`` on stdout once its socket is
+bound and its first discovery round is done; waiting for that line is an event, not a poll.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+READY_PREFIX = "sluicegate listening on "
+
+
+class GatewayProcess:
+    """``sluicegate serve`` on a free port with the given config (a dict, written to a temp file)."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        extra_args: list[str] | None = None,
+        cpu: int | None = None,
+        startup_timeout_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.extra_args = extra_args or []
+        self.cpu = cpu
+        self.startup_timeout_s = startup_timeout_s
+        self.url = ""
+        self.proc: subprocess.Popen[str] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="sluicegate-")
+        self.log_path = Path(self._dir.name) / "gateway.log"
+        self._log: IO[str] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> GatewayProcess:
+        config_path = Path(self._dir.name) / "config.yaml"
+        config = {**self.config, "server": {**self.config.get("server", {}), "port": 0}}
+        config_path.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), *self.extra_args]
+        if self.cpu is not None:
+            argv = ["taskset", "-c", str(self.cpu), *argv]
+        self._log = self.log_path.open("w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        line = _read_line_within(self.proc.stdout, self.startup_timeout_s)
+        if not line.startswith(READY_PREFIX):
+            self.stop()
+            raise RuntimeError(
+                f"gateway did not start (exit {self.proc.returncode}); its log:\n{self.log_path.read_text()}"
+            )
+        self.url = line[len(READY_PREFIX) :].strip()
+        threading.Thread(target=_drain, args=(self.proc.stdout,), daemon=True).start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited in time; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+
+def _read_line_within(stream: IO[str] | None, timeout_s: float) -> str:
+    """One line from ``stream``, or "" if none arrives in time (or the process exits first)."""
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(stream.readline() if stream else ""), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return result[0] if result else ""
+
+
+def _drain(stream: IO[str] | None) -> None:
+    if stream is not None:
+        for _ in stream:
+            pass

@@ -1,0 +1,87 @@
+"""Real processes for system tests: two simulated vLLM pods on MIG slices and a gateway before them."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from loadtest.podsim.launch import PodsimProcess
+from loadtest.procs import GatewayProcess
+
+GPU = "GPU-5e0f8a2c-1b7d-4c1e-9a55-0c3f2d7e8b11"
+MIG_A = "MIG-2ce7a541-c516-5dbc-a76e-26cc100d9b55"
+MIG_B = "MIG-7a1d9f30-48c2-5e6b-8f0a-3b9c1d2e4f56"
+FAST = ["--ttft-ms", "5", "--itl-ms", "2"]
+MAX_BODY = 64 * 1024
+
+
+@dataclass
+class Fleet:
+    pod_a: PodsimProcess
+    pod_b: PodsimProcess
+    gateway: GatewayProcess
+    dead_url: str
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on (bound then released, so connects are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gateway_config(pod_a: str, pod_b: str, dead: str) -> dict[str, Any]:
+    return {
+        "server": {"host": "127.0.0.1", "max_body_bytes": MAX_BODY},
+        "discovery": {"refresh_interval_s": 30, "retry_interval_s": 30},
+        "pods": [
+            {
+                "name": "pod-a",
+                "url": pod_a,
+                "models": ["llama-8b"],
+                "mig": {"gpu_uuid": GPU, "mig_uuid": MIG_A, "profile": "1g.10gb"},
+                "labels": {"variant": "stable"},
+            },
+            # pod-b's models are discovered from its /v1/models
+            {
+                "name": "pod-b",
+                "url": pod_b,
+                "mig": {"gpu_uuid": GPU, "mig_uuid": MIG_B, "profile": "2g.20gb"},
+            },
+            {"name": "pod-dead", "url": dead, "models": ["ghost"]},
+        ],
+    }
+
+
+@pytest.fixture(scope="session")
+def fleet() -> Iterator[Fleet]:
+    a = PodsimProcess(
+        ["--model", "llama-8b", "--gpu-uuid", GPU, "--mig-uuid", MIG_A, "--mig-profile", "1g.10gb", *FAST]
+    )
+    b = PodsimProcess(
+        [
+            "--model",
+            "llama-8b",
+            "--model",
+            "qwen-0.5b",
+            "--gpu-uuid",
+            GPU,
+            "--mig-uuid",
+            MIG_B,
+            "--mig-profile",
+            "2g.20gb",
+            *FAST,
+        ]
+    )
+    with a, b:
+        dead = f"http://127.0.0.1:{unused_port()}"
+        with GatewayProcess(gateway_config(a.url, b.url, dead)) as gw:
+            yield Fleet(a, b, gw, dead)
