@@ -33,6 +33,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 access_log = logging.getLogger("sluicegate.access")
+log = logging.getLogger("sluicegate.relay")
 
 _JSON = b"application/json"
 
@@ -153,6 +154,13 @@ class Relay:
         except ClientGone:
             outcome.status = 499
             outcome.detail = "client_gone"
+        except Exception:
+            # A bug, not a pod or client problem: log it, and still answer in the OpenAI shape.
+            log.exception("unexpected error relaying request %s", rid)
+            outcome.detail = "internal_error"
+            if outcome.status == 0:
+                outcome.status = 500
+                await _send_error(send, GatewayError(500, "Internal gateway error.", "server_error"), rid)
         finally:
             self._finish(req, route, model_label, rid, outcome, started)
 
