@@ -24,6 +24,7 @@ test: setup lint  ## unit and system tests over real sockets
 	$(BIN)/python -m pytest -q
 
 bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it can
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	@command -v nginx >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null 2>&1; } || \
 		echo "bench: nginx could not be installed; its rows will be skipped"

@@ -1,7 +1,7 @@
 """The upstream client pool: one aiohttp session per gateway process.
 
-aiohttp rather than httpx: measured here, plain httpx spends ~8x aiohttp's CPU per stream at 300
-concurrent streams and adds ~3 ms to time-to-first-token (see docs/benchmarks.md). One session,
+aiohttp rather than httpx: measured here, plain httpx spends ~12x aiohttp's CPU reading 300
+concurrent streams, and httpx on aiohttp's transport still ~1.35x (see docs/benchmarks.md). One session,
 created inside the running event loop, keeps connections to each pod alive and reused.
 """
 
