@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pods.discovery import discovery_loop, refresh_all
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
+from transports.pod_client import PodClient
 from transports.upstream import open_session
 
 
@@ -38,7 +39,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.registry = PodRegistry(config.pods)
         self._session: aiohttp.ClientSession | None = None
-        self.relay = Relay(config, self.registry, self.metrics, self.session)
+        self._pod_client: PodClient | None = None
+        self.relay = Relay(config, self.registry, self.metrics, self.pod_client)
         self.started = time.time()
         self.control = Starlette(
             routes=[
@@ -57,6 +59,11 @@ class Gateway:
             raise RuntimeError("the upstream session exists only while the app is running")
         return self._session
 
+    def pod_client(self) -> PodClient:
+        if self._pod_client is None:
+            raise RuntimeError("the pod client exists only while the app is running")
+        return self._pod_client
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             route = ROUTES.get(scope["path"])
@@ -68,6 +75,8 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self._session = open_session(self.config.upstream)
+        upstream = self.config.upstream
+        self._pod_client = PodClient(upstream.connect_timeout_s, upstream.keepalive_timeout_s)
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.
         await refresh_all(self.registry, self._session, discovery, self.metrics)
@@ -81,7 +90,9 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop_task
             await self._session.close()
+            await self._pod_client.close()
             self._session = None
+            self._pod_client = None
 
     async def list_models(self, _request: Request) -> Response:
         created = int(self.started)

@@ -18,15 +18,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
-
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
 from gateway.config import Config
 from gateway.errors import GatewayError, model_not_found, no_capacity, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
 from transports import sse
-from transports.upstream import BROKEN_ERRORS, CONNECT_ERRORS
+from transports.client_socket import client_socket
+from transports.pod_client import PodBrokenError, PodClient, PodConnectError, PodResponse
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -46,21 +45,18 @@ _NOT_FORWARDED = frozenset({
 })
 
 
-def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple[str, str]]:
+def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple[bytes, bytes]]:
     """The client's end-to-end headers for the pod, plus the request id and identity encoding.
 
     The body was validated as JSON, so it is labelled as such whatever the client said (curl's
     ``-d`` sends a form content type, which vLLM would refuse).
     """
-    out = [
-        (name.decode("latin-1"), value.decode("latin-1"))
-        for name, value in headers
-        if name not in _NOT_FORWARDED
-    ]
-    out.append(("content-type", "application/json"))
-    out.append(("accept-encoding", "identity"))
-    out.append(("x-request-id", rid))
+    out = [(name, value) for name, value in headers if name not in _NOT_FORWARDED]
+    out.append((b"content-type", b"application/json"))
+    out.append((b"accept-encoding", b"identity"))
+    out.append((b"x-request-id", rid.encode()))
     return out
+ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 
@@ -114,12 +110,12 @@ class Relay:
         config: Config,
         registry: PodRegistry,
         metrics: GatewayMetrics,
-        session: Callable[[], aiohttp.ClientSession],
+        client: Callable[[], PodClient],
     ) -> None:
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self._session = session
+        self._client = client
         self._in_flight_gauges = {p.name: metrics.in_flight.labels(p.name) for p in registry.pods}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
@@ -179,22 +175,20 @@ class Relay:
         gauge = self._in_flight_gauges[pod.name]
         gauge.inc()
         watch = DisconnectWatch(receive)
-        resp: aiohttp.ClientResponse | None = None
+        resp: PodResponse | None = None
         try:
             # connect
             try:
-                resp = await self._session().post(
-                    pod.url + ("/v1/chat/completions" if req.route == "chat" else "/v1/completions"),
-                    data=req.body,
-                    headers=upstream_headers(headers, rid),
+                resp = await self._client().request(
+                    pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, rid), req.body
                 )
-            except CONNECT_ERRORS as exc:
+            except PodConnectError as exc:
                 self.metrics.upstream_errors.labels(pod.name, "connect").inc()
                 # Stop sending it new work; discovery asks it again within retry_interval_s.
                 pod.reachable = False
                 pod.last_error = f"connect: {_reason(exc)}"
                 raise upstream_failed(pod.name, f"could not connect ({_reason(exc)}).") from None
-            except BROKEN_ERRORS as exc:
+            except PodBrokenError as exc:
                 self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
                 raise upstream_failed(pod.name, f"connection failed ({_reason(exc)}).") from None
             if resp.status != 200:
@@ -216,20 +210,16 @@ class Relay:
             if resp is not None:
                 # A fully read answer hands its connection back to the pool; anything else closes
                 # it, which is how the pod learns to abort the generation.
-                if resp.content.at_eof() and outcome.detail == "ok":
-                    resp.release()
-                else:
-                    resp.close()
+                resp.release()
             pod.in_flight -= 1
             gauge.dec()
 
-    async def _pod_error(self, pod: Pod, resp: aiohttp.ClientResponse) -> GatewayError:
+    async def _pod_error(self, pod: Pod, resp: PodResponse) -> GatewayError:
         """Turn a pod's non-200 answer into the client's: OpenAI error bodies pass through as is."""
         self.metrics.upstream_errors.labels(pod.name, "status").inc()
-        limit = self.config.upstream.max_error_body_bytes
         try:
-            raw = await resp.content.read(limit)
-        except BROKEN_ERRORS:
+            raw = await resp.read_all(self.config.upstream.max_error_body_bytes)
+        except PodBrokenError:
             raw = b""
         retry_after = resp.headers.get("retry-after")
         extra = (("retry-after", retry_after),) if retry_after else ()
@@ -247,9 +237,7 @@ class Relay:
                     resp.status, payload["message"], str(payload.get("type") or "upstream_error"),
                     payload.get("code"), payload.get("param"), extra,
                 )
-        status = resp.status if resp.status in (502, 503, 504) else 502
-        if resp.status < 500:
-            status = resp.status
+        status = resp.status if resp.status < 500 or resp.status in (502, 503, 504) else 502
         return GatewayError(
             status, f"Upstream pod '{pod.name}' answered HTTP {resp.status} without an error body.",
             "upstream_error", "bad_gateway" if status == 502 else f"upstream_{resp.status}", None, extra,
@@ -259,7 +247,7 @@ class Relay:
         self,
         req: InferenceRequest,
         pod: Pod,
-        resp: aiohttp.ClientResponse,
+        resp: PodResponse,
         rid: str,
         content_type: bytes,
         send: Send,
@@ -267,7 +255,7 @@ class Relay:
         started: float,
         outcome: Outcome,
     ) -> None:
-        read = resp.content.readany
+        read = resp.read
         # await first token: hold the status line until the client would see something real
         head = b""
         pos = 0
@@ -285,7 +273,7 @@ class Relay:
         except sse.MalformedEvent as exc:
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
             raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
-        except BROKEN_ERRORS as exc:
+        except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             detail = f"broke the stream before the first token ({_reason(exc)})."
             raise upstream_failed(pod.name, detail) from None
@@ -305,28 +293,24 @@ class Relay:
         await send({"type": "http.response.body", "body": head, "more_body": True})
 
         # relay: the pod's bytes, as they arrive, untouched
-        chunks = 1
-        previous = b""
-        last = head
         try:
-            while True:
-                chunk = await read()
-                if not chunk:
-                    break
-                chunks += 1
-                previous = last
-                last = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except BROKEN_ERRORS as exc:
+            socket = client_socket(send)
+            if socket is not None:
+                resp.splice(socket.writer(resp))
+                await resp.done
+            else:
+                while chunk := await read():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             outcome.detail = "upstream_broke_mid_stream"
             err = upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)}).")
-            last = b""
             await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
-        outcome.chunks = chunks
-        usage = sse.find_usage(previous + last) if last else None
-        if usage:
-            self._count_tokens(req.model, usage)
+        outcome.chunks = resp.chunks
+        if resp.complete:
+            usage = sse.find_usage(resp.previous + resp.last)
+            if usage:
+                self._count_tokens(req.model, usage)
         watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -334,7 +318,7 @@ class Relay:
         self,
         req: InferenceRequest,
         pod: Pod,
-        resp: aiohttp.ClientResponse,
+        resp: PodResponse,
         rid: str,
         content_type: bytes,
         send: Send,
@@ -342,8 +326,8 @@ class Relay:
         outcome: Outcome,
     ) -> None:
         try:
-            body = await resp.read()
-        except BROKEN_ERRORS as exc:
+            body = await resp.read_all()
+        except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             raise upstream_failed(pod.name, f"broke the answer ({_reason(exc)}).") from None
         if content_type.startswith(_JSON):

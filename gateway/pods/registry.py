@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.config import PodConfig
 
@@ -19,11 +20,13 @@ class Pod:
 
     __slots__ = (
         "config",
+        "host",
         "in_flight",
         "last_error",
         "last_probe",
         "models",
         "name",
+        "port",
         "reachable",
         "url",
     )
@@ -32,6 +35,9 @@ class Pod:
         self.config = config
         self.name = config.name
         self.url = config.url
+        parts = urlsplit(config.url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.models: frozenset[str] = frozenset(config.models)
         # Pods with configured models are routable until a probe says otherwise; pods whose
         # models must be discovered are not, until discovery has asked them.
