@@ -76,7 +76,9 @@ class Gateway:
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         self._session = open_session(self.config.upstream)
         upstream = self.config.upstream
-        self._pod_client = PodClient(upstream.connect_timeout_s, upstream.keepalive_timeout_s)
+        self._pod_client = PodClient(
+            upstream.connect_timeout_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod
+        )
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.
         await refresh_all(self.registry, self._session, discovery, self.metrics)

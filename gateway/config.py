@@ -58,8 +58,7 @@ class UpstreamConfig(_Frozen):
     """The one pooled HTTP client the gateway uses to reach pods."""
 
     connect_timeout_s: float = Field(default=2.0, gt=0)
-    pool_limit: int = Field(default=0, ge=0, description="0 = no cap on open connections")
-    pool_limit_per_pod: int = Field(default=0, ge=0, description="0 = no cap per pod")
+    max_idle_per_pod: int = Field(default=512, ge=0, description="idle keep-alive connections kept per pod")
     keepalive_timeout_s: float = Field(default=30.0, gt=0)
     max_error_body_bytes: int = Field(default=64 * 1024, gt=0)
 

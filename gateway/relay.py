@@ -180,7 +180,8 @@ class Relay:
             # connect
             try:
                 resp = await self._client().request(
-                    pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, rid), req.body
+                    pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, rid), req.body,
+                    pod.tls,
                 )
             except PodConnectError as exc:
                 self.metrics.upstream_errors.labels(pod.name, "connect").inc()

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import Callable
 
 import httptools
 
 Writer = Callable[[bytes], None]
+Key = tuple[str, int, bool]  # host, port, TLS
 
 
 class PodConnectError(ConnectionError):
@@ -148,7 +150,7 @@ class PodResponse:
 class PodConnection(asyncio.Protocol):
     """One keep-alive connection to a pod, parsed by httptools."""
 
-    def __init__(self, pool: PodClient, key: tuple[str, int]) -> None:
+    def __init__(self, pool: PodClient, key: Key) -> None:
         self.pool = pool
         self.key = key
         self.loop = asyncio.get_running_loop()
@@ -252,10 +254,13 @@ class PodConnection(asyncio.Protocol):
 class PodClient:
     """A pool of keep-alive connections to pods (one per process, shared by all requests)."""
 
-    def __init__(self, connect_timeout_s: float, keepalive_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, keepalive_timeout_s: float, max_idle_per_pod: int = 512
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
-        self._idle: dict[tuple[str, int], list[PodConnection]] = {}
+        self.max_idle_per_pod = max_idle_per_pod
+        self._idle: dict[Key, list[PodConnection]] = {}
         self._open: set[PodConnection] = set()
 
     @property
@@ -263,11 +268,17 @@ class PodClient:
         return len(self._open)
 
     async def request(
-        self, host: str, port: int, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        host: str,
+        port: int,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        tls: bool = False,
     ) -> PodResponse:
         """Send a POST and wait for the response's status and headers."""
         head = _request_head(host, port, path, headers, len(body))
-        key = (host, port)
+        key = (host, port, tls)
         conn = self._take_idle(key)
         if conn is not None:
             try:
@@ -288,19 +299,23 @@ class PodClient:
             raise
         return response
 
-    async def _connect(self, key: tuple[str, int]) -> PodConnection:
+    async def _connect(self, key: Key) -> PodConnection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: PodConnection(self, key), *key)
+                _, conn = await loop.create_connection(
+                    lambda: PodConnection(self, key), key[0], key[1], ssl=key[2] or None
+                )
         except TimeoutError:
             raise PodConnectError(f"connect to {key[0]}:{key[1]} timed out") from None
+        except ssl.SSLError as exc:
+            raise PodConnectError(f"TLS handshake failed: {exc.reason or exc}") from None
         except OSError as exc:
             raise PodConnectError(exc.strerror or str(exc)) from None
         self._open.add(conn)
         return conn
 
-    def _take_idle(self, key: tuple[str, int]) -> PodConnection | None:
+    def _take_idle(self, key: Key) -> PodConnection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -312,7 +327,11 @@ class PodClient:
         return None
 
     def _park(self, conn: PodConnection) -> None:
-        self._idle.setdefault(conn.key, []).append(conn)
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) >= self.max_idle_per_pod:
+            conn.abort()
+            return
+        idle.append(conn)
         conn.idle_timer = conn.loop.call_later(self.keepalive_timeout_s, conn.abort)
 
     def _forget(self, conn: PodConnection) -> None:

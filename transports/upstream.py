@@ -15,8 +15,7 @@ from gateway.config import UpstreamConfig
 def open_session(config: UpstreamConfig) -> aiohttp.ClientSession:
     """A pooled keep-alive session; bytes are passed through undecoded, cookies ignored."""
     connector = aiohttp.TCPConnector(
-        limit=config.pool_limit,
-        limit_per_host=config.pool_limit_per_pod,
+        limit=100,
         keepalive_timeout=config.keepalive_timeout_s,
         ttl_dns_cache=60,
     )

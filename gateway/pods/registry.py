@@ -28,6 +28,7 @@ class Pod:
         "name",
         "port",
         "reachable",
+        "tls",
         "url",
     )
 
@@ -37,7 +38,8 @@ class Pod:
         self.url = config.url
         parts = urlsplit(config.url)
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
         self.models: frozenset[str] = frozenset(config.models)
         # Pods with configured models are routable until a probe says otherwise; pods whose
         # models must be discovered are not, until discovery has asked them.

@@ -1,0 +1,128 @@
+"""The pod client against real local sockets: keep-alive reuse, stale connections, bad HTTP, splice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from transports.pod_client import PodBrokenError, PodClient, PodConnectError
+
+OK_CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"6\r\ndata: \r\n3\r\nab\n\r\n0\r\n\r\n"
+)
+
+
+class RawServer:
+    """A loopback server that answers each request with whatever ``respond`` returns."""
+
+    def __init__(self, respond: Callable[[int], bytes | None], close_after: bool = False) -> None:
+        self.respond = respond
+        self.close_after = close_after
+        self.connections = 0
+        self.requests = 0
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                self.requests += 1
+                answer = self.respond(self.requests)
+                if answer is None:
+                    writer.close()
+                    return
+                writer.write(answer)
+                await writer.drain()
+                if self.close_after:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Callable[[int], bytes | None]], object]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(
+        respond: Callable[[int], bytes | None], close_after: bool = False
+    ) -> tuple[RawServer, int]:
+        raw = RawServer(respond, close_after)
+        server = await asyncio.start_server(raw.handle, "127.0.0.1", 0)
+        servers.append(server)
+        return raw, server.sockets[0].getsockname()[1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+async def _post(client: PodClient, port: int) -> bytes:
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    assert resp.status == 200 and resp.headers["content-type"] == "text/event-stream"
+    body = await resp.read_all()
+    resp.release()
+    return body
+
+
+async def test_connections_are_kept_alive_and_reused(serve) -> None:
+    raw, port = await serve(lambda _n: OK_CHUNKED)
+    client = PodClient(1.0, 30.0)
+    for _ in range(3):
+        assert await _post(client, port) == b"data: ab\n"
+    assert raw.connections == 1 and raw.requests == 3
+    await client.close()
+
+
+async def test_a_connection_the_pod_closed_while_idle_is_replaced_transparently(serve) -> None:
+    raw, port = await serve(lambda _n: OK_CHUNKED)
+    client = PodClient(1.0, 30.0)
+    assert await _post(client, port) == b"data: ab\n"
+    raw.writers[0].transport.abort()  # the pod drops the idle keep-alive connection
+    assert await _post(client, port) == b"data: ab\n"
+    assert raw.connections == 2
+    await client.close()
+
+
+async def test_idle_connections_beyond_the_cap_are_closed(serve) -> None:
+    raw, port = await serve(lambda _n: OK_CHUNKED)
+    client = PodClient(1.0, 30.0, max_idle_per_pod=0)
+    await _post(client, port)
+    await _post(client, port)
+    assert raw.connections == 2 and client.open_connections == 0
+    await client.close()
+
+
+async def test_refused_connect_and_invalid_http_are_told_apart(serve) -> None:
+    client = PodClient(1.0, 30.0)
+    _, port = await serve(lambda _n: b"SSH-2.0-OpenSSH_9.2\r\n")
+    with pytest.raises(PodBrokenError, match="invalid HTTP"):
+        await client.request("127.0.0.1", port, "/", [], b"")
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    free = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(PodConnectError):
+        await client.request("127.0.0.1", free, "/", [], b"")
+    await client.close()
+
+
+async def test_a_body_cut_short_raises_for_reads_and_for_splice(serve) -> None:
+    cut = OK_CHUNKED[: OK_CHUNKED.index(b"3\r\n")]
+    _, port = await serve(lambda _n: cut, close_after=True)
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/", [], b"")
+    got: list[bytes] = []
+    resp.splice(got.append)
+    with pytest.raises(PodBrokenError):
+        await asyncio.wait_for(resp.done, 5)
+    assert b"".join(got) == b"data: "  # what arrived before the cut, and nothing else
+    assert not resp.complete
+    await client.close()
