@@ -29,13 +29,19 @@ from typing import Any
 
 from loadtest.loadgen import count_tokens, percentile, raise_nofile_limit
 
-CLIENTS = ("aiohttp", "httpx", "httpx-aiohttp")
+CLIENTS = ("sluicegate", "aiohttp", "httpx", "httpx-aiohttp")
 LABELS = {
+    "sluicegate": "Sluicegate's `PodClient` (httptools; body spliced to a callback)",
     "aiohttp": "aiohttp `ClientSession` (`content.readany`)",
     "httpx": "httpx `AsyncClient` (`aiter_raw`)",
     "httpx-aiohttp": "httpx + `httpx_aiohttp.AiohttpTransport` (`aiter_raw`)",
 }
-PACKAGES = {"aiohttp": ("aiohttp",), "httpx": ("httpx",), "httpx-aiohttp": ("httpx", "httpx-aiohttp")}
+PACKAGES = {
+    "sluicegate": ("httptools",),
+    "aiohttp": ("aiohttp",),
+    "httpx": ("httpx",),
+    "httpx-aiohttp": ("httpx", "httpx-aiohttp"),
+}
 MD_BEGIN = "<!-- bench:clients:begin -->"
 MD_END = "<!-- bench:clients:end -->"
 
@@ -92,6 +98,40 @@ def _aiohttp_client(url: str) -> AbstractAsyncContextManager[ReadOne]:
     return opened()
 
 
+def _pod_client(url: str) -> AbstractAsyncContextManager[ReadOne]:
+    """The gateway's own hot-path client, used as the relay uses it: the body goes to a sink."""
+    import contextlib
+    from urllib.parse import urlsplit
+
+    from transports.pod_client import PodClient
+
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    headers = [(b"content-type", b"application/json")]
+
+    @contextlib.asynccontextmanager
+    async def opened() -> AsyncIterator[ReadOne]:
+        client = PodClient(connect_timeout_s=10.0, keepalive_timeout_s=60.0, max_idle_per_pod=100_000)
+
+        async def read(body: bytes) -> tuple[int, float]:
+            counter = _Counter()
+            sent = time.perf_counter()
+            resp = await client.request(host, port, parts.path, headers, body)
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+            resp.splice(counter.feed)
+            await resp.done
+            resp.release()
+            return counter.tokens, counter.first - sent
+
+        try:
+            yield read
+        finally:
+            await client.close()
+
+    return opened()
+
+
 def _httpx_client(url: str, on_aiohttp: bool) -> AbstractAsyncContextManager[ReadOne]:
     import contextlib
 
@@ -132,7 +172,12 @@ async def _run_worker(client: str, url: str, model: str, streams: int, max_token
         "model": model, "messages": [{"role": "user", "content": "Tell me about sluice gates."}],
         "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
     }).encode()
-    opened = _aiohttp_client(url) if client == "aiohttp" else _httpx_client(url, client == "httpx-aiohttp")
+    if client == "sluicegate":
+        opened = _pod_client(url)
+    elif client == "aiohttp":
+        opened = _aiohttp_client(url)
+    else:
+        opened = _httpx_client(url, client == "httpx-aiohttp")
     async with opened as read:
         await read(body)  # one warm-up stream: imports and first-connection costs stay out
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
