@@ -16,7 +16,8 @@ import sys
 from urllib.parse import urlsplit
 
 from gateway.config import Config, PodConfig
-from gateway.server import build_server, raise_fd_limit
+from gateway.rlimits import raise_open_file_limit
+from gateway.server import build_server
 from loadtest.podsim.launch import PodsimProcess
 
 # Realistic-looking speeds for a person watching tokens arrive.
@@ -81,7 +82,7 @@ def examples(host: str, port: int, model: str) -> str:
 
 
 def run_demo(config: Config, log_level: str = "info") -> int:
-    raise_fd_limit()
+    raise_open_file_limit()
     simulated = [pod for pod in config.pods if _is_loopback(pod.url)]
     sims = [PodsimProcess(podsim_args(pod)) for pod in simulated]
     try:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import socket
 
 import uvicorn
 
 from gateway.app import Gateway
 from gateway.config import Config
+from gateway.rlimits import raise_open_file_limit
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -35,13 +35,6 @@ class Server(uvicorn.Server):
             self.listening.set()
 
 
-def raise_fd_limit() -> None:
-    """Each stream holds two sockets (client and pod): lift the soft fd limit to the hard one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def build_server(config: Config, log_level: str = "info") -> Server:
     """A uvicorn server for ``config``; uvicorn's own access log is off (the gateway writes its own)."""
     app = Gateway(config)
@@ -63,5 +56,5 @@ def build_server(config: Config, log_level: str = "info") -> Server:
 
 
 def serve(config: Config, log_level: str = "info") -> None:
-    raise_fd_limit()
+    raise_open_file_limit()
     build_server(config, log_level).run()

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from loadtest.loadgen import raise_nofile_limit
+from gateway.rlimits import raise_open_file_limit
 from loadtest.nginx import NginxProcess, nginx_binary
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from loadtest.report import replace_marked_section
 
 MODEL = "bench-model"
 DEFAULT_REPEATS = 3
@@ -583,15 +584,7 @@ def machine_summary(pin: bool) -> str:
 
 
 def write_markdown(path: Path, section: str) -> None:
-    """Replace the text between the result markers in ``path`` (or append a marked section)."""
-    block = f"{MD_BEGIN}\n{section.rstrip()}\n{MD_END}"
-    text = path.read_text() if path.exists() else ""
-    if MD_BEGIN in text and MD_END in text:
-        head, rest = text.split(MD_BEGIN, 1)
-        text = head + block + rest.split(MD_END, 1)[1]
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
-    path.write_text(text)
+    replace_marked_section(path, MD_BEGIN, MD_END, section)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -653,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the chosen cells, print the markdown report; non-zero if a run could not be made."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    raise_nofile_limit()
+    raise_open_file_limit()
     pin = not args.no_pin and can_pin()
     if pin:
         # The harness itself and everything it starts without taskset stay off the proxy's core.

@@ -27,7 +27,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from loadtest.loadgen import count_tokens, percentile, raise_nofile_limit
+from gateway.rlimits import raise_open_file_limit
+from loadtest.loadgen import count_tokens, percentile
+from loadtest.report import replace_marked_section
 
 CLIENTS = ("sluicegate", "aiohttp", "httpx", "httpx-aiohttp")
 LABELS = {
@@ -217,7 +219,7 @@ def client_version(client: str) -> str:
 
 
 def _worker_main(args: argparse.Namespace) -> int:
-    raise_nofile_limit()
+    raise_open_file_limit()
     try:
         import uvloop
 
@@ -298,15 +300,7 @@ def render(
 
 
 def write_markdown(path: Path, section: str) -> None:
-    """Replace the client-comparison block in ``path`` (or append it)."""
-    block = f"{MD_BEGIN}\n{section.rstrip()}\n{MD_END}"
-    text = path.read_text() if path.exists() else ""
-    if MD_BEGIN in text and MD_END in text:
-        head, rest = text.split(MD_BEGIN, 1)
-        text = head + block + rest.split(MD_END, 1)[1]
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
-    path.write_text(text)
+    replace_marked_section(path, MD_BEGIN, MD_END, section)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,7 +328,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
         return _worker_main(args)
     from loadtest.bench import LOAD_CORE, can_pin
 
-    raise_nofile_limit()
+    raise_open_file_limit()
     pin = not args.no_pin and can_pin()
     if pin:
         os.sched_setaffinity(0, {LOAD_CORE})

@@ -31,6 +31,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.rlimits import raise_open_file_limit
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a project dependency on Linux
@@ -40,14 +42,6 @@ except ImportError:  # pragma: no cover - uvloop is a project dependency on Linu
 # role-only opening chunk) and not `"reasoning_content":...` (preceded by `_`, not a quote).
 TOKEN_PATTERN = re.compile(rb'"(?:content|text)": ?"(?!")')
 DONE_MARKER = b"data: [DONE]"
-
-
-def raise_nofile_limit() -> tuple[int, int]:
-    """Lift RLIMIT_NOFILE's soft limit to the hard one: 2000 streams need thousands of sockets."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
 def count_tokens(events: bytes) -> int:
@@ -363,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the load and print the JSON summary; exit 1 if any stream failed."""
     args = build_parser().parse_args(argv)
-    raise_nofile_limit()
+    raise_open_file_limit()
     spec = LoadSpec(
         url=args.url,
         model=args.model,

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlsplit
+
+from loadtest.procs import terminate
 
 CONFIG_TEMPLATE = """\
 daemon off;
@@ -193,14 +194,8 @@ class NginxProcess:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Fast shutdown (SIGTERM), then SIGKILL if it lingers."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            terminate(proc, timeout_s)
 
     def __enter__(self) -> NginxProcess:
         return self.start()

@@ -70,16 +70,10 @@ class GatewayProcess:
         """SIGTERM, then SIGKILL if it has not exited in time; returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = terminate(self.proc, timeout_s)
         if self._log is not None:
             self._log.close()
-        return self.proc.returncode
+        return code
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -90,6 +84,18 @@ class GatewayProcess:
     def __exit__(self, *_exc: object) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+def terminate(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> int:
+    """Stop a child politely (SIGTERM), forcefully (SIGKILL) after ``timeout_s``; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def _read_line_within(stream: IO[str] | None, timeout_s: float) -> str:

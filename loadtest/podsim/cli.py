@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import sys
 from collections.abc import Callable
 
+from gateway.rlimits import raise_open_file_limit
 from loadtest.podsim.engine import BLOCK_SIZE, EngineConfig, kv_blocks_for, parse_mig_profile
 from loadtest.podsim.faults import NO_FAULTS, Faults, parse_faults
 from loadtest.podsim.server import READY_PREFIX, PodsimConfig, serve
@@ -165,16 +165,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _raise_fd_limit() -> None:
-    """Benchmarks hold thousands of streams: lift the soft open-files limit to the hard one."""
-    with contextlib.suppress(ImportError, ValueError, OSError):
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 on a clean stop, 1 if the socket cannot be bound, 2 on bad config."""
     logging.basicConfig(level=args.log_level.upper(), format="podsim %(levelname)s %(message)s")
@@ -183,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"podsim: {exc}", file=sys.stderr)
         return 2
-    _raise_fd_limit()
+    raise_open_file_limit()
 
     def announce(url: str) -> None:
         print(f"{READY_PREFIX}{url}", flush=True)

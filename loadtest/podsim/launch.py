@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from typing import IO
 from urllib.parse import urlsplit
 
 from loadtest.podsim.server import READY_PREFIX
+from loadtest.procs import terminate
 
 
 class PodsimStartError(RuntimeError):
@@ -125,14 +125,7 @@ class PodsimProcess:
         proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
+        return terminate(proc, timeout_s)
 
     def close(self) -> None:
         """Stop and release the stderr capture."""
