@@ -2,16 +2,19 @@
 
 A raw ASGI handler, not a Starlette endpoint: at 100 concurrent streams every per-chunk layer of
 Python (response wrappers, middleware send-wrappers, queues) costs a measurable share of a core.
-Per chunk this does one upstream read and one ASGI send of the very bytes the pod produced.
+Once the first token is out, the pod's bytes are spliced to the client's socket from the pod
+connection's parser callback (see ``transports/pod_client.py``), untouched.
 
-Phases (named in the code below): admit → pick → connect → await first token → relay → finish.
-Response status and headers are held until the pod's first token has arrived, so any failure
-before that is still answered with a proper status code.
+Phases, in order, each a small method below: admit → pick → connect → await first token → relay →
+finish. One ``Exchange`` object carries what each phase learned. Response status and headers are
+held until the pod's first token has arrived, so any failure before that is still answered with a
+proper status code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -34,7 +37,9 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 access_log = logging.getLogger("sluicegate.access")
 log = logging.getLogger("sluicegate.relay")
 
+ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _JSON = b"application/json"
+_SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 # Not forwarded to pods: hop-by-hop headers, ones the upstream client sets itself, and the
 # client's credentials for the gateway (pods are reached with the gateway's own identity).
@@ -56,8 +61,6 @@ def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple
     out.append((b"accept-encoding", b"identity"))
     out.append((b"x-request-id", rid.encode()))
     return out
-ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 
 class DisconnectWatch:
@@ -89,17 +92,35 @@ class DisconnectWatch:
         self._watcher.cancel()
 
 
-class Outcome:
-    """What one request learned on its way through; read by the access log and metrics."""
+class Exchange:
+    """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
 
-    __slots__ = ("chunks", "detail", "pod", "status", "ttft")
+    __slots__ = (
+        "chunks", "detail", "model_label", "pod", "req", "rid", "route", "send", "started", "status",
+        "ttft", "watch",
+    )
 
-    def __init__(self) -> None:
-        self.status = 0
+    def __init__(self, route: str, rid: str, send: Send) -> None:
+        self.route = route
+        self.rid = rid
+        self.send = send
+        self.started = time.perf_counter()
+        self.req: InferenceRequest | None = None
+        self.model_label = "unknown"  # a metric label: only models some pod serves
         self.pod: Pod | None = None
+        self.watch: DisconnectWatch | None = None
+        self.status = 0  # 0 until the status line has been sent
         self.ttft: float | None = None
         self.chunks = 0
         self.detail = "ok"
+
+    def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        assert self.pod is not None
+        return [
+            (b"content-type", content_type),
+            (b"x-request-id", self.rid.encode()),
+            (b"x-sluicegate-pod", self.pod.name.encode()),
+        ]
 
 
 class Relay:
@@ -119,92 +140,83 @@ class Relay:
         self._in_flight_gauges = {p.name: metrics.in_flight.labels(p.name) for p in registry.pods}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        started = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        rid = request_id(headers)
-        outcome = Outcome()
-        model_label = "unknown"
-        req: InferenceRequest | None = None
+        ex = Exchange(route, request_id(headers), send)
         try:
             if scope["method"] != "POST":
                 raise GatewayError(
                     405, f"Method {scope['method']} is not allowed here; use POST.",
                     "invalid_request_error", "method_not_allowed", headers=(("allow", "POST"),),
                 )
-            # admit
-            body = await read_body(receive, headers, self.config.server.max_body_bytes)
-            req = parse_request(route, body)
-            # pick
-            if not self.registry.knows(req.model):
-                raise model_not_found(req.model)
-            model_label = req.model
-            pod = self.registry.pick(req.model)
-            if pod is None:
-                raise no_capacity(req.model)
-            outcome.pod = pod
-            await self._proxy(req, pod, headers, rid, receive, send, started, outcome)
+            req = await self._admit(ex, receive, headers, route)
+            pod = self._pick(ex, req)
+            await self._proxy(ex, req, pod, headers, receive)
         except GatewayError as err:
-            outcome.status = err.status
-            outcome.detail = str(err.code or err.type)
-            await _send_error(send, err, rid)
+            ex.status = err.status
+            ex.detail = str(err.code or err.type)
+            await _send_error(send, err, ex.rid)
         except ClientGone:
-            outcome.status = 499
-            outcome.detail = "client_gone"
+            ex.status = 499
+            ex.detail = "client_gone"
         except Exception:
             # A bug, not a pod or client problem: log it, and still answer in the OpenAI shape.
-            log.exception("unexpected error relaying request %s", rid)
-            outcome.detail = "internal_error"
-            if outcome.status == 0:
-                outcome.status = 500
-                await _send_error(send, GatewayError(500, "Internal gateway error.", "server_error"), rid)
+            log.exception("unexpected error relaying request %s", ex.rid)
+            ex.detail = "internal_error"
+            if ex.status == 0:
+                ex.status = 500
+                await _send_error(send, GatewayError(500, "Internal gateway error.", "server_error"), ex.rid)
         finally:
-            self._finish(req, route, model_label, rid, outcome, started)
+            self._finish(ex)
+
+    # -- admit and pick ------------------------------------------------------------------------
+
+    async def _admit(
+        self, ex: Exchange, receive: Receive, headers: list[tuple[bytes, bytes]], route: str
+    ) -> InferenceRequest:
+        body = await read_body(receive, headers, self.config.server.max_body_bytes)
+        ex.req = req = parse_request(route, body)
+        return req
+
+    def _pick(self, ex: Exchange, req: InferenceRequest) -> Pod:
+        if not self.registry.knows(req.model):
+            raise model_not_found(req.model)
+        ex.model_label = req.model
+        pod = self.registry.pick(req.model)
+        if pod is None:
+            raise no_capacity(req.model)
+        ex.pod = pod
+        return pod
+
+    # -- connect, then relay -------------------------------------------------------------------
 
     async def _proxy(
         self,
+        ex: Exchange,
         req: InferenceRequest,
         pod: Pod,
         headers: list[tuple[bytes, bytes]],
-        rid: str,
         receive: Receive,
-        send: Send,
-        started: float,
-        outcome: Outcome,
     ) -> None:
         pod.in_flight += 1
         gauge = self._in_flight_gauges[pod.name]
         gauge.inc()
-        watch = DisconnectWatch(receive)
+        ex.watch = watch = DisconnectWatch(receive)
         resp: PodResponse | None = None
         try:
-            # connect
-            try:
-                resp = await self._client().request(
-                    pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, rid), req.body,
-                    pod.tls,
-                )
-            except PodConnectError as exc:
-                self.metrics.upstream_errors.labels(pod.name, "connect").inc()
-                # Stop sending it new work; discovery asks it again within retry_interval_s.
-                pod.reachable = False
-                pod.last_error = f"connect: {_reason(exc)}"
-                raise upstream_failed(pod.name, f"could not connect ({_reason(exc)}).") from None
-            except PodBrokenError as exc:
-                self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
-                raise upstream_failed(pod.name, f"connection failed ({_reason(exc)}).") from None
+            resp = await self._connect(ex, req, pod, headers)
             if resp.status != 200:
                 raise await self._pod_error(pod, resp)
             content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
             if req.stream and content_type.startswith(b"text/event-stream"):
-                await self._relay_stream(req, pod, resp, rid, content_type, send, watch, started, outcome)
+                await self._relay_stream(ex, pod, resp, content_type)
             else:
-                await self._relay_whole(req, pod, resp, rid, content_type, send, watch, outcome)
+                await self._relay_whole(ex, pod, resp, content_type)
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            outcome.status = 499
-            outcome.detail = "client_gone"
+            ex.status = 499
+            ex.detail = "client_gone"
             self.metrics.client_disconnects.labels(req.model).inc()
         finally:
             watch.close()
@@ -214,6 +226,24 @@ class Relay:
                 resp.release()
             pod.in_flight -= 1
             gauge.dec()
+
+    async def _connect(
+        self, ex: Exchange, req: InferenceRequest, pod: Pod, headers: list[tuple[bytes, bytes]]
+    ) -> PodResponse:
+        try:
+            return await self._client().request(
+                pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, ex.rid), req.body,
+                pod.tls,
+            )
+        except PodConnectError as exc:
+            self.metrics.upstream_errors.labels(pod.name, "connect").inc()
+            # Stop sending it new work; discovery asks it again within retry_interval_s.
+            pod.reachable = False
+            pod.last_error = f"connect: {_reason(exc)}"
+            raise upstream_failed(pod.name, f"could not connect ({_reason(exc)}).") from None
+        except PodBrokenError as exc:
+            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
+            raise upstream_failed(pod.name, f"connection failed ({_reason(exc)}).") from None
 
     async def _pod_error(self, pod: Pod, resp: PodResponse) -> GatewayError:
         """Turn a pod's non-200 answer into the client's: OpenAI error bodies pass through as is."""
@@ -244,33 +274,16 @@ class Relay:
             "upstream_error", "bad_gateway" if status == 502 else f"upstream_{resp.status}", None, extra,
         )
 
-    async def _relay_stream(
-        self,
-        req: InferenceRequest,
-        pod: Pod,
-        resp: PodResponse,
-        rid: str,
-        content_type: bytes,
-        send: Send,
-        watch: DisconnectWatch,
-        started: float,
-        outcome: Outcome,
-    ) -> None:
-        read = resp.read
-        # await first token: hold the status line until the client would see something real
+    async def _await_first_token(self, pod: Pod, resp: PodResponse) -> bytes:
+        """Everything the pod sent up to and including the first event a client would see."""
         head = b""
         pos = 0
         try:
-            while True:
-                chunk = await read()
-                if not chunk:
-                    if not head:
-                        raise upstream_failed(pod.name, "closed the stream before sending anything.")
-                    break
+            while chunk := await resp.read():
                 head += chunk
                 found, pos = sse.scan_first_token(head, pos)
                 if found:
-                    break
+                    return head
         except sse.MalformedEvent as exc:
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
             raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
@@ -278,19 +291,20 @@ class Relay:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             detail = f"broke the stream before the first token ({_reason(exc)})."
             raise upstream_failed(pod.name, detail) from None
+        if not head:
+            raise upstream_failed(pod.name, "closed the stream before sending anything.")
+        return head  # the stream ended without a token (e.g. only a role chunk): pass it on
 
+    async def _relay_stream(self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes) -> None:
+        head = await self._await_first_token(pod, resp)
+        send = ex.send
         await send({
             "type": "http.response.start",
             "status": 200,
-            "headers": [
-                (b"content-type", content_type),
-                *_SSE_HEADERS,
-                (b"x-request-id", rid.encode()),
-                (b"x-sluicegate-pod", pod.name.encode()),
-            ],
+            "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
         })
-        outcome.status = 200
-        outcome.ttft = time.perf_counter() - started
+        ex.status = 200
+        ex.ttft = time.perf_counter() - ex.started
         await send({"type": "http.response.body", "body": head, "more_body": True})
 
         # relay: the pod's bytes, as they arrive, untouched
@@ -300,89 +314,65 @@ class Relay:
                 resp.splice(socket.writer(resp))
                 await resp.done
             else:
-                while chunk := await read():
+                while chunk := await resp.read():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
-            outcome.detail = "upstream_broke_mid_stream"
+            ex.detail = "upstream_broke_mid_stream"
             err = upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)}).")
             await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
-        outcome.chunks = resp.chunks
+        ex.chunks = resp.chunks
         if resp.complete:
-            usage = sse.find_usage(resp.previous + resp.last)
-            if usage:
-                self._count_tokens(req.model, usage)
-        watch.finished = True
+            self._count_tokens(ex, sse.find_usage(resp.previous + resp.last))
+        assert ex.watch is not None
+        ex.watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _relay_whole(
-        self,
-        req: InferenceRequest,
-        pod: Pod,
-        resp: PodResponse,
-        rid: str,
-        content_type: bytes,
-        send: Send,
-        watch: DisconnectWatch,
-        outcome: Outcome,
-    ) -> None:
+    async def _relay_whole(self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes) -> None:
         try:
             body = await resp.read_all()
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             raise upstream_failed(pod.name, f"broke the answer ({_reason(exc)}).") from None
         if content_type.startswith(_JSON):
-            try:
-                usage = json.loads(body).get("usage")
-            except (ValueError, AttributeError):
-                usage = None
-            if isinstance(usage, dict):
-                self._count_tokens(req.model, usage)
-        watch.finished = True
-        outcome.status = 200
-        await send({
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", rid.encode()),
-                (b"x-sluicegate-pod", pod.name.encode()),
-            ],
-        })
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+            with contextlib.suppress(ValueError, AttributeError):
+                self._count_tokens(ex, json.loads(body).get("usage"))
+        assert ex.watch is not None
+        ex.watch.finished = True
+        ex.status = 200
+        headers = ex.response_headers(content_type)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await ex.send({"type": "http.response.body", "body": body, "more_body": False})
 
-    def _count_tokens(self, model: str, usage: dict[str, Any]) -> None:
+    # -- finish --------------------------------------------------------------------------------
+
+    def _count_tokens(self, ex: Exchange, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
         for kind in ("prompt", "completion"):
             value = usage.get(f"{kind}_tokens")
             if isinstance(value, int) and value > 0:
-                self.metrics.tokens.labels(model, kind).inc(value)
+                self.metrics.tokens.labels(ex.model_label, kind).inc(value)
 
-    def _finish(
-        self,
-        req: InferenceRequest | None,
-        route: str,
-        model: str,
-        rid: str,
-        outcome: Outcome,
-        started: float,
-    ) -> None:
-        elapsed = time.perf_counter() - started
+    def _finish(self, ex: Exchange) -> None:
+        elapsed = time.perf_counter() - ex.started
         m = self.metrics
-        m.requests.labels(route, model, str(outcome.status)).inc()
-        m.request_duration.labels(route, model).observe(elapsed)
-        if outcome.ttft is not None:
-            m.time_to_first_token.labels(model).observe(outcome.ttft)
-        if outcome.chunks:
-            m.stream_chunks.labels(model).inc(outcome.chunks)
+        model = ex.model_label
+        m.requests.labels(ex.route, model, str(ex.status)).inc()
+        m.request_duration.labels(ex.route, model).observe(elapsed)
+        if ex.ttft is not None:
+            m.time_to_first_token.labels(model).observe(ex.ttft)
+        if ex.chunks:
+            m.stream_chunks.labels(model).inc(ex.chunks)
         if self.config.server.access_log:
             access_log.info(
                 "rid=%s route=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "
                 "duration_ms=%.1f chunks=%d",
-                rid, route, model, int(bool(req and req.stream)),
-                outcome.pod.name if outcome.pod else "-", outcome.status, outcome.detail,
-                "-" if outcome.ttft is None else f"{outcome.ttft * 1000:.1f}",
-                elapsed * 1000, outcome.chunks,
+                ex.rid, ex.route, model, int(bool(ex.req and ex.req.stream)),
+                ex.pod.name if ex.pod else "-", ex.status, ex.detail,
+                "-" if ex.ttft is None else f"{ex.ttft * 1000:.1f}",
+                elapsed * 1000, ex.chunks,
             )
 
 
