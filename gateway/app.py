@@ -77,7 +77,7 @@ class Gateway:
         self._session = open_session(self.config.upstream)
         upstream = self.config.upstream
         self._pod_client = PodClient(
-            upstream.connect_timeout_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod
+            self.config.timeouts.connect_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod
         )
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.

@@ -57,10 +57,39 @@ class ServerConfig(_Frozen):
 class UpstreamConfig(_Frozen):
     """The one pooled HTTP client the gateway uses to reach pods."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0)
     max_idle_per_pod: int = Field(default=512, ge=0, description="idle keep-alive connections kept per pod")
     keepalive_timeout_s: float = Field(default=30.0, gt=0)
     max_error_body_bytes: int = Field(default=64 * 1024, gt=0)
+
+
+class StageOverrides(_Frozen):
+    """Per-model or per-tier changes to the timeout stages; unset stages keep the level below."""
+
+    connect_s: float | None = Field(default=None, gt=0)
+    first_token_s: float | None = Field(default=None, gt=0)
+    stall_s: float | None = Field(default=None, gt=0)
+    total_s: float | None = Field(default=None, gt=0)
+
+
+class TimeoutsConfig(_Frozen):
+    """The four stages of a request's life, each with its own budget (seconds).
+
+    connect: TCP to the pod. first_token: request sent to the first content token (queueing and
+    prefill). stall: the longest silence between two chunks once streaming. total: the whole request.
+    """
+
+    connect_s: float = Field(default=2.0, gt=0)
+    first_token_s: float = Field(default=60.0, gt=0)
+    stall_s: float = Field(default=30.0, gt=0)
+    total_s: float = Field(default=600.0, gt=0)
+    models: dict[str, StageOverrides] = Field(default_factory=dict)
+
+
+class TierConfig(_Frozen):
+    """A class of callers (chosen by API key or a trusted header) with its own timeouts."""
+
+    api_keys: tuple[str, ...] = ()
+    timeouts: StageOverrides = StageOverrides()
 
 
 class DiscoveryConfig(_Frozen):
@@ -75,6 +104,9 @@ class Config(_Frozen):
     server: ServerConfig = ServerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    tiers: dict[str, TierConfig] = Field(default_factory=dict)
+    tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
 
     @field_validator("pods")
@@ -86,6 +118,17 @@ class Config(_Frozen):
                 raise ValueError(f"pod name {pod.name!r} is used twice; names must be unique")
             seen.add(pod.name)
         return pods
+
+    @field_validator("tiers")
+    @classmethod
+    def _keys_name_one_tier(cls, tiers: dict[str, TierConfig]) -> dict[str, TierConfig]:
+        owner: dict[str, str] = {}
+        for name, tier in tiers.items():
+            for key in tier.api_keys:
+                if key in owner:
+                    raise ValueError(f"an API key is listed in both tier {owner[key]!r} and {name!r}")
+                owner[key] = name
+        return tiers
 
 
 class ConfigError(Exception):

@@ -65,6 +65,12 @@ class GatewayMetrics:
             ["pod", "kind"],
             registry=registry,
         )
+        self.timeouts = Counter(
+            "sluicegate_timeouts_total",
+            "Requests ended by a timeout, by stage (connect, first_token, stall, total).",
+            ["stage"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "sluicegate_client_disconnects_total",
             "Clients that went away before their answer was complete.",

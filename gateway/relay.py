@@ -23,12 +23,21 @@ from typing import Any
 
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
 from gateway.config import Config
+from gateway.deadlines import Budget, TimeoutPolicy, timed_out
 from gateway.errors import GatewayError, model_not_found, no_capacity, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
 from transports import sse
 from transports.client_socket import client_socket
-from transports.pod_client import PodBrokenError, PodClient, PodConnectError, PodResponse
+from transports.pod_client import (
+    PodBrokenError,
+    PodClient,
+    PodConnectError,
+    PodConnectTimeout,
+    PodResponse,
+    PodStalledError,
+    StallWatch,
+)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -96,8 +105,8 @@ class Exchange:
     """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
 
     __slots__ = (
-        "chunks", "detail", "model_label", "pod", "req", "rid", "route", "send", "started", "status",
-        "ttft", "watch",
+        "budget", "chunks", "deadline", "detail", "first_token_at", "model_label", "pod", "req", "rid",
+        "route", "send", "started", "status", "t0", "tier", "ttft", "watch",
     )
 
     def __init__(self, route: str, rid: str, send: Send) -> None:
@@ -105,6 +114,10 @@ class Exchange:
         self.rid = rid
         self.send = send
         self.started = time.perf_counter()
+        self.t0 = asyncio.get_running_loop().time()  # deadlines are on the loop's clock
+        self.budget: Budget | None = None
+        self.tier: str | None = None
+        self.deadline = self.first_token_at = 0.0
         self.req: InferenceRequest | None = None
         self.model_label = "unknown"  # a metric label: only models some pod serves
         self.pod: Pod | None = None
@@ -113,6 +126,11 @@ class Exchange:
         self.ttft: float | None = None
         self.chunks = 0
         self.detail = "ok"
+
+    def set_budget(self, budget: Budget) -> None:
+        self.budget = budget
+        self.deadline = self.t0 + budget.total_s
+        self.first_token_at = self.t0 + budget.first_token_s
 
     def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         assert self.pod is not None
@@ -137,6 +155,7 @@ class Relay:
         self.registry = registry
         self.metrics = metrics
         self._client = client
+        self.timeouts = TimeoutPolicy(config)
         self._in_flight_gauges = {p.name: metrics.in_flight.labels(p.name) for p in registry.pods}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
@@ -150,10 +169,14 @@ class Relay:
                 )
             req = await self._admit(ex, receive, headers, route)
             pod = self._pick(ex, req)
+            ex.tier = self.timeouts.tier_of(headers)
+            ex.set_budget(self.timeouts.budget(req.model, ex.tier, headers))
             await self._proxy(ex, req, pod, headers, receive)
         except GatewayError as err:
             ex.status = err.status
             ex.detail = str(err.code or err.type)
+            if err.type == "timeout":
+                self.metrics.timeouts.labels(str(err.code)).inc()
             await _send_error(send, err, ex.rid)
         except ClientGone:
             ex.status = 499
@@ -203,12 +226,22 @@ class Relay:
         ex.watch = watch = DisconnectWatch(receive)
         resp: PodResponse | None = None
         try:
-            resp = await self._connect(ex, req, pod, headers)
-            if resp.status != 200:
-                raise await self._pod_error(pod, resp)
-            content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
-            if req.stream and content_type.startswith(b"text/event-stream"):
-                await self._relay_stream(ex, pod, resp, content_type)
+            # connect and await the first token (streaming) or the answer's first byte, in time
+            head = b""
+            try:
+                async with asyncio.timeout_at(min(ex.first_token_at, ex.deadline)):
+                    resp = await self._connect(ex, req, pod, headers)
+                    if resp.status != 200:
+                        raise await self._pod_error(pod, resp)
+                    content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
+                    streaming = req.stream and content_type.startswith(b"text/event-stream")
+                    if streaming:
+                        head = await self._await_first_token(pod, resp)
+            except TimeoutError:
+                stage = "first_token" if ex.first_token_at < ex.deadline else "total"
+                raise self._timeout(ex, stage) from None
+            if streaming:
+                await self._relay_stream(ex, pod, resp, content_type, head)
             else:
                 await self._relay_whole(ex, pod, resp, content_type)
         except asyncio.CancelledError:
@@ -231,10 +264,16 @@ class Relay:
         self, ex: Exchange, req: InferenceRequest, pod: Pod, headers: list[tuple[bytes, bytes]]
     ) -> PodResponse:
         try:
+            assert ex.budget is not None
             return await self._client().request(
                 pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, ex.rid), req.body,
-                pod.tls,
+                pod.tls, ex.budget.connect_s,
             )
+        except PodConnectTimeout:
+            self.metrics.upstream_errors.labels(pod.name, "connect").inc()
+            pod.reachable = False
+            pod.last_error = "connect timed out"
+            raise self._timeout(ex, "connect") from None
         except PodConnectError as exc:
             self.metrics.upstream_errors.labels(pod.name, "connect").inc()
             # Stop sending it new work; discovery asks it again within retry_interval_s.
@@ -295,8 +334,9 @@ class Relay:
             raise upstream_failed(pod.name, "closed the stream before sending anything.")
         return head  # the stream ended without a token (e.g. only a role chunk): pass it on
 
-    async def _relay_stream(self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes) -> None:
-        head = await self._await_first_token(pod, resp)
+    async def _relay_stream(
+        self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes, head: bytes
+    ) -> None:
         send = ex.send
         await send({
             "type": "http.response.start",
@@ -307,19 +347,31 @@ class Relay:
         ex.ttft = time.perf_counter() - ex.started
         await send({"type": "http.response.body", "body": head, "more_body": True})
 
-        # relay: the pod's bytes, as they arrive, untouched
+        # relay: the pod's bytes, as they arrive, untouched, under the stall and total deadlines
+        assert ex.budget is not None
+        stall = StallWatch(resp, ex.budget.stall_s)
+        err: GatewayError | None = None
         try:
-            socket = client_socket(send)
-            if socket is not None:
-                resp.splice(socket.writer(resp))
-                await resp.done
-            else:
-                while chunk := await resp.read():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async with asyncio.timeout_at(ex.deadline):
+                socket = client_socket(send)
+                if socket is not None:
+                    resp.splice(socket.writer(resp))
+                    await resp.done
+                else:
+                    while chunk := await resp.read():
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except TimeoutError:
+            resp.close()
+            err = self._timeout(ex, "total")
+        except PodStalledError:
+            err = self._timeout(ex, "stall")
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             ex.detail = "upstream_broke_mid_stream"
             err = upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)}).")
+        finally:
+            stall.cancel()
+        if err is not None:
             await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
         ex.chunks = resp.chunks
         if resp.complete:
@@ -330,7 +382,10 @@ class Relay:
 
     async def _relay_whole(self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes) -> None:
         try:
-            body = await resp.read_all()
+            async with asyncio.timeout_at(ex.deadline):
+                body = await resp.read_all()
+        except TimeoutError:
+            raise self._timeout(ex, "total") from None
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             raise upstream_failed(pod.name, f"broke the answer ({_reason(exc)}).") from None
@@ -344,6 +399,20 @@ class Relay:
         headers.append((b"content-length", str(len(body)).encode()))
         await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
         await ex.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _timeout(self, ex: Exchange, stage: str) -> GatewayError:
+        """The error for an expired stage; counted here when it ends a stream already under way."""
+        assert ex.budget is not None
+        seconds = {
+            "connect": ex.budget.connect_s,
+            "first_token": ex.budget.first_token_s,
+            "stall": ex.budget.stall_s,
+            "total": ex.budget.total_s,
+        }[stage]
+        if ex.status:  # mid-stream: no status code left to carry it, so count it now
+            self.metrics.timeouts.labels(stage).inc()
+            ex.detail = f"timeout_{stage}"
+        return timed_out(stage, seconds)
 
     # -- finish --------------------------------------------------------------------------------
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
@@ -85,3 +88,28 @@ def fleet() -> Iterator[Fleet]:
         dead = f"http://127.0.0.1:{unused_port()}"
         with GatewayProcess(gateway_config(a.url, b.url, dead)) as gw:
             yield Fleet(a, b, gw, dead)
+
+
+def pod_aborts(fleet: Fleet) -> float:
+    total = 0.0
+    for pod in (fleet.pod_a, fleet.pod_b):
+        for family in text_string_to_metric_families(httpx.get(pod.url + "/metrics").text):
+            if family.name == "podsim:aborts":
+                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
+def gateway_in_flight(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["sluicegate_in_flight_requests"].samples)
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    """Poll a metric-based condition with a bounded deadline (the metric is the event)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()

@@ -47,13 +47,19 @@ def test_flags_override_the_file_and_add_pods() -> None:
     base = parse_config({"pods": [{"name": "upstream-1", "url": "http://a:1"}]})
     config = with_overrides(base, port=9999, upstreams=["http://b:2/"])
     assert config.server.port == 9999
-    assert [(p.name, p.url) for p in config.pods] == [("upstream-1", "http://a:1"), ("upstream-1x", "http://b:2")]
+    assert [(p.name, p.url) for p in config.pods] == [
+        ("upstream-1", "http://a:1"),
+        ("upstream-1x", "http://b:2"),
+    ]
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gateway.cli", "serve", *args],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
 
 
@@ -62,7 +68,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     [
         ("pods: [{name: a, url: 'http://x:1'}\n", "is not valid YAML at line"),
         ("pods:\n  - name: a\n    url: http://x:1\n    models: 7\n", "'pods.0.models'"),
-        ("upstream: {connect_timeout_s: -1}\npods: [{name: a, url: 'http://x:1'}]\n", "connect_timeout_s"),
+        ("timeouts: {connect_s: -1}\npods: [{name: a, url: 'http://x:1'}]\n", "'timeouts.connect_s'"),
     ],
 )
 def test_cli_rejects_a_bad_file_without_a_traceback(tmp_path: Path, content: str, expected: str) -> None:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MAX_BODY, MIG_A, Fleet
+from tests.conftest import MAX_BODY, MIG_A, Fleet, gateway_in_flight, pod_aborts, wait_for
 
 CHAT = {
     "model": "llama-8b",
@@ -274,54 +274,27 @@ def test_metrics_parse_and_count_requests(fleet: Fleet) -> None:
 # --- a client that leaves ------------------------------------------------------------------------
 
 
-def _pod_aborts(fleet: Fleet) -> float:
-    total = 0.0
-    for pod in (fleet.pod_a, fleet.pod_b):
-        for family in text_string_to_metric_families(httpx.get(pod.url + "/metrics").text):
-            if family.name == "podsim:aborts":
-                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return total
-
-
-def _gateway_in_flight(fleet: Fleet) -> float:
-    text = httpx.get(fleet.url + "/metrics").text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    return sum(s.value for s in families["sluicegate_in_flight_requests"].samples)
-
-
-def _wait_for(condition, timeout_s: float = 5.0) -> bool:
-    """Poll a metric-based condition with a bounded deadline (the metric is the event)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
 LONG = {**CHAT, "stream": True, "max_tokens": 4000, "ignore_eos": True}
 
 
 def test_client_leaving_mid_stream_aborts_the_pods_generation(fleet: Fleet) -> None:
-    before = _pod_aborts(fleet)
+    before = pod_aborts(fleet)
     with (
         httpx.Client(timeout=30) as client,
         client.stream("POST", fleet.url + "/v1/chat/completions", json=LONG) as resp,
     ):
         assert resp.status_code == 200
         next(resp.iter_bytes())  # tokens are flowing; now leave
-    assert _wait_for(lambda: _pod_aborts(fleet) >= before + 1)
-    assert _wait_for(lambda: _gateway_in_flight(fleet) == 0)
+    assert wait_for(lambda: pod_aborts(fleet) >= before + 1)
+    assert wait_for(lambda: gateway_in_flight(fleet.url) == 0)
 
 
 def test_client_leaving_while_waiting_for_the_first_token_aborts_too(fleet: Fleet) -> None:
-    before = _pod_aborts(fleet)
+    before = pod_aborts(fleet)
     slow = {"x-podsim-fault": "first_token_delay_ms=20000"}
     with pytest.raises(httpx.ReadTimeout):  # gives up on the held status line and closes
         httpx.post(
             fleet.url + "/v1/chat/completions", json=LONG, headers=slow, timeout=httpx.Timeout(30, read=0.5)
         )
-    assert _wait_for(lambda: _pod_aborts(fleet) >= before + 1)
-    assert _wait_for(lambda: _gateway_in_flight(fleet) == 0)
+    assert wait_for(lambda: pod_aborts(fleet) >= before + 1)
+    assert wait_for(lambda: gateway_in_flight(fleet.url) == 0)

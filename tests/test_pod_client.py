@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from transports.pod_client import PodBrokenError, PodClient, PodConnectError
+from transports.pod_client import PodBrokenError, PodClient, PodConnectError, PodConnectTimeout
 
 OK_CHUNKED = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -126,3 +127,25 @@ async def test_a_body_cut_short_raises_for_reads_and_for_splice(serve) -> None:
     assert b"".join(got) == b"data: "  # what arrived before the cut, and nothing else
     assert not resp.complete
     await client.close()
+
+
+async def test_connect_timeout_when_the_pod_never_accepts() -> None:
+    # A listener that never accepts, with its tiny backlog already full: new SYNs go unanswered.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    client = PodClient(connect_timeout_s=5.0, keepalive_timeout_s=30.0)
+    try:
+        with pytest.raises(PodConnectTimeout, match=r"timed out after 0\.2 s"):
+            await client.request("127.0.0.1", port, "/", [], b"", connect_timeout_s=0.2)
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+        await client.close()

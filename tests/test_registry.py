@@ -7,11 +7,13 @@ from gateway.pods.registry import PodRegistry
 
 
 def _registry() -> PodRegistry:
-    return PodRegistry([
-        PodConfig(name="a", url="http://127.0.0.1:1", models=("m",)),
-        PodConfig(name="b", url="http://127.0.0.1:2", models=("m", "n")),
-        PodConfig(name="c", url="http://127.0.0.1:3", models=("n",)),
-    ])
+    return PodRegistry(
+        [
+            PodConfig(name="a", url="http://127.0.0.1:1", models=("m",)),
+            PodConfig(name="b", url="http://127.0.0.1:2", models=("m", "n")),
+            PodConfig(name="c", url="http://127.0.0.1:3", models=("n",)),
+        ]
+    )
 
 
 def test_pick_prefers_the_pod_with_fewest_requests_in_flight() -> None:

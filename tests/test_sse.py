@@ -68,7 +68,6 @@ def test_usage_is_found_in_the_stream_tail() -> None:
 @pytest.mark.skipif(MIDSTREAM_ERROR is None, reason="shared wire samples not present")
 def test_error_event_framing_matches_vllm() -> None:
     payload = (
-        b'{"error":{"message":"Internal server error","type":"InternalServerError",'
-        b'"param":null,"code":500}}'
+        b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}'
     )
     assert MIDSTREAM_ERROR.endswith(sse.error_event(payload))

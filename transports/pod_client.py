@@ -29,8 +29,16 @@ class PodConnectError(ConnectionError):
     """The pod could not be reached (refused, unreachable, or the connect timed out)."""
 
 
+class PodConnectTimeout(PodConnectError):
+    """The pod did not accept the connection within the connect timeout."""
+
+
 class PodBrokenError(ConnectionError):
     """The pod's connection broke, or it sent bytes that are not HTTP, before the answer ended."""
+
+
+class PodStalledError(PodBrokenError):
+    """The pod went silent for longer than the stall timeout mid-answer (the gateway closed it)."""
 
 
 class PodResponse:
@@ -41,8 +49,8 @@ class PodResponse:
     """
 
     __slots__ = (
-        "_chunks", "_conn", "_eof", "_error", "_waiter", "chunks", "done", "headers", "last",
-        "previous", "sink", "status",
+        "_chunks", "_conn", "_eof", "_error", "_now", "_waiter", "chunks", "done", "headers", "last",
+        "last_at", "previous", "sink", "status",
     )
 
     def __init__(self, conn: PodConnection) -> None:
@@ -58,10 +66,13 @@ class PodResponse:
         self.chunks = 0
         self.previous = b""
         self.last = b""
+        self._now = conn.loop.time
+        self.last_at = self._now()  # when the last body chunk (or the headers) arrived
 
     # -- fed by the connection -------------------------------------------------------------------
 
     def _feed(self, body: bytes) -> None:
+        self.last_at = self._now()
         self.chunks += 1
         self.previous = self.last
         self.last = body
@@ -134,10 +145,10 @@ class PodResponse:
     def complete(self) -> bool:
         return self._eof and self._error is None
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """Abandon the answer: close the connection (a pod aborts the generation on this)."""
         self._conn.abort()
-        self._finish(PodBrokenError("closed by the gateway"))
+        self._finish(error or PodBrokenError("closed by the gateway"))
 
     def release(self) -> None:
         """Give a fully read connection back to the pool, else close it."""
@@ -275,6 +286,7 @@ class PodClient:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         tls: bool = False,
+        connect_timeout_s: float | None = None,
     ) -> PodResponse:
         """Send a POST and wait for the response's status and headers."""
         head = _request_head(host, port, path, headers, len(body))
@@ -287,7 +299,8 @@ class PodClient:
                 if conn.got_bytes:
                     raise
                 # The pod closed this idle connection as we reused it: once more, fresh.
-        return await self._exchange(await self._connect(key), head, body)
+        conn = await self._connect(key, connect_timeout_s or self.connect_timeout_s)
+        return await self._exchange(conn, head, body)
 
     async def _exchange(self, conn: PodConnection, head: bytes, body: bytes) -> PodResponse:
         response = conn.send_request(head, body)
@@ -299,15 +312,15 @@ class PodClient:
             raise
         return response
 
-    async def _connect(self, key: Key) -> PodConnection:
+    async def _connect(self, key: Key, timeout_s: float) -> PodConnection:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 _, conn = await loop.create_connection(
                     lambda: PodConnection(self, key), key[0], key[1], ssl=key[2] or None
                 )
         except TimeoutError:
-            raise PodConnectError(f"connect to {key[0]}:{key[1]} timed out") from None
+            raise PodConnectTimeout(f"connect to {key[0]}:{key[1]} timed out after {timeout_s:g} s") from None
         except ssl.SSLError as exc:
             raise PodConnectError(f"TLS handshake failed: {exc.reason or exc}") from None
         except OSError as exc:
@@ -358,3 +371,29 @@ def _request_head(
         lines.append(name + b": " + value + b"\r\n")
     lines.append(b"\r\n")
     return b"".join(lines)
+
+
+class StallWatch:
+    """Ends an answer whose pod has been silent longer than ``stall_s``.
+
+    One timer per stream, re-armed only when it fires early (at the last chunk's time plus the
+    budget), so the per-token path only records the time of each chunk.
+    """
+
+    __slots__ = ("_handle", "_loop", "_resp", "_stall_s")
+
+    def __init__(self, resp: PodResponse, stall_s: float) -> None:
+        self._resp = resp
+        self._stall_s = stall_s
+        self._loop = resp._conn.loop
+        self._handle = self._loop.call_at(resp.last_at + stall_s, self._check)
+
+    def _check(self) -> None:
+        due = self._resp.last_at + self._stall_s
+        if self._loop.time() >= due:
+            self._resp.close(PodStalledError(f"no bytes from the pod for {self._stall_s:g} s"))
+        else:
+            self._handle = self._loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

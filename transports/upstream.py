@@ -20,7 +20,7 @@ def open_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         ttl_dns_cache=60,
     )
     timeout = aiohttp.ClientTimeout(
-        total=None, connect=None, sock_connect=config.connect_timeout_s, sock_read=None
+        total=None, connect=None, sock_connect=5.0, sock_read=None
     )
     return aiohttp.ClientSession(
         connector=connector,

@@ -1,0 +1,117 @@
+"""Staged timeouts over real sockets: each stage fires, names itself, and aborts the pod's work."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.procs import GatewayProcess
+from tests.conftest import Fleet, gateway_in_flight, pod_aborts, wait_for
+
+CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+LONG = {**CHAT, "max_tokens": 4000, "ignore_eos": True}  # ~8 s at the fleet's 2 ms per token
+
+
+@pytest.fixture(scope="module")
+def strict(fleet: Fleet) -> Iterator[str]:
+    """A gateway with short timeouts in front of the same pods."""
+    config = {
+        "server": {"host": "127.0.0.1"},
+        "timeouts": {
+            "connect_s": 1,
+            "first_token_s": 1.0,
+            "stall_s": 0.4,
+            "total_s": 30,
+            "models": {"qwen-0.5b": {"first_token_s": 0.3}},
+        },
+        "tiers": {"fast": {"api_keys": ["sk-fast"], "timeouts": {"total_s": 0.6}}},
+        "pods": [
+            {"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]},
+            {"name": "pod-b", "url": fleet.pod_b.url, "models": ["llama-8b", "qwen-0.5b"]},
+        ],
+    }
+    with GatewayProcess(config) as gw:
+        yield gw.url
+
+
+def _post(url: str, body: dict, **headers: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def _timeout_error(resp: httpx.Response, stage: str) -> None:
+    assert resp.status_code == 504, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "timeout" and error["code"] == stage, error
+
+
+def _ends_with_timeout_event(resp: httpx.Response, stage: str) -> list[bytes]:
+    assert resp.status_code == 200
+    events = [e for e in resp.content.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["type"] == "timeout" and error["code"] == stage, error
+    return events
+
+
+def _timeouts(url: str) -> dict[str, float]:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    family = families.get("sluicegate_timeouts")
+    samples = family.samples if family else []
+    return {s.labels["stage"]: s.value for s in samples if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_first_token_timeout_is_a_504_naming_the_stage(strict: str, fleet: Fleet, stream: bool) -> None:
+    aborts = pod_aborts(fleet)
+    resp = _post(strict, {**CHAT, "stream": stream}, **{"x-podsim-fault": "first_token_delay_ms=5000"})
+    _timeout_error(resp, "first_token")
+    assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)
+
+
+def test_stall_after_tokens_ends_the_stream_with_a_timeout_event(strict: str, fleet: Fleet) -> None:
+    before = _timeouts(strict).get("stall", 0)
+    aborts = pod_aborts(fleet)
+    resp = _post(strict, {**LONG, "stream": True}, **{"x-podsim-fault": "stall_after=3"})
+    events = _ends_with_timeout_event(resp, "stall")
+    assert sum(b'"content":"' in e and b'"content":""' not in e for e in events) == 3
+    assert _timeouts(strict)["stall"] == before + 1
+    assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)  # the stalled generation was aborted
+    assert wait_for(lambda: gateway_in_flight(strict) == 0)
+
+
+def test_client_may_shorten_the_total_deadline(strict: str) -> None:
+    resp = _post(strict, {**LONG, "stream": True}, **{"x-request-timeout-ms": "400"})
+    events = _ends_with_timeout_event(resp, "total")
+    assert 10 < len(events) < 4000  # tokens flowed, then the deadline cut the stream
+
+
+def test_a_long_client_deadline_does_not_extend_the_first_token_budget(strict: str) -> None:
+    slow = {"x-podsim-fault": "first_token_delay_ms=5000", "x-request-timeout-ms": "600000"}
+    _timeout_error(_post(strict, {**CHAT, "stream": True}, **slow), "first_token")
+
+
+def test_non_streaming_requests_honour_the_total_deadline(strict: str) -> None:
+    resp = _post(strict, {**LONG, "max_tokens": 400}, **{"x-request-timeout-ms": "300"})
+    _timeout_error(resp, "total")
+
+
+@pytest.mark.parametrize(
+    "headers", [{"authorization": "Bearer sk-fast"}, {"x-sluicegate-tier": "fast"}], ids=["api-key", "header"]
+)
+def test_tier_budgets_apply_by_api_key_or_header(strict: str, headers: dict[str, str]) -> None:
+    _ends_with_timeout_event(_post(strict, {**LONG, "stream": True}, **headers), "total")
+
+
+def test_per_model_override(strict: str) -> None:
+    delay = {"x-podsim-fault": "first_token_delay_ms=600"}
+    _timeout_error(_post(strict, {**CHAT, "model": "qwen-0.5b", "stream": True}, **delay), "first_token")
+    assert _post(strict, {**CHAT, "stream": True}, **delay).status_code == 200  # llama-8b allows 1 s
+
+
+def test_bad_client_deadline_is_a_400(strict: str) -> None:
+    resp = _post(strict, CHAT, **{"x-request-timeout-ms": "soon"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_timeout"
