@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +30,8 @@ from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
 from transports.pod_client import PodClient
 from transports.upstream import open_session
+
+log = logging.getLogger("sluicegate")
 
 
 class Gateway:
@@ -109,7 +112,16 @@ class Gateway:
     async def healthz(self, _request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def drain(self) -> None:
+        """Stop taking work and let streams in flight finish, until the drain deadline."""
+        timeout = self.config.server.drain_timeout_s
+        log.info("draining: %d requests in flight, up to %g s", self.relay.in_flight, timeout)
+        await self.relay.drain(timeout)
+        log.info("drained")
+
     async def readyz(self, _request: Request) -> Response:
+        if self.relay.draining:
+            return JSONResponse({"status": "draining", "reason": "the gateway is shutting down"}, 503)
         models = self.registry.routable_models()
         if models:
             return JSONResponse({"status": "ready", "models": models})

@@ -52,6 +52,7 @@ class ServerConfig(_Frozen):
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     access_log: bool = True
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: how long streams may finish")
 
 
 class UpstreamConfig(_Frozen):

@@ -105,8 +105,8 @@ class Exchange:
     """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
 
     __slots__ = (
-        "budget", "chunks", "deadline", "detail", "first_token_at", "model_label", "pod", "req", "rid",
-        "route", "send", "started", "status", "t0", "tier", "ttft", "watch",
+        "budget", "chunks", "cut", "deadline", "detail", "first_token_at", "model_label", "pod", "req",
+        "rid", "route", "send", "started", "status", "t0", "tier", "ttft", "watch",
     )
 
     def __init__(self, route: str, rid: str, send: Send) -> None:
@@ -126,6 +126,7 @@ class Exchange:
         self.ttft: float | None = None
         self.chunks = 0
         self.detail = "ok"
+        self.cut: GatewayError | None = None  # set when the gateway itself ends the request
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget
@@ -156,12 +157,44 @@ class Relay:
         self.metrics = metrics
         self._client = client
         self.timeouts = TimeoutPolicy(config)
+        self.draining = False
+        self._active: dict[Exchange, asyncio.Task[Any]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._in_flight_gauges = {p.name: metrics.in_flight.labels(p.name) for p in registry.pods}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; wait for those in flight, and end the rest at the deadline."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            cut = GatewayError(
+                503, "The gateway is shutting down; retry the request.", "service_unavailable",
+                "shutting_down", headers=(("retry-after", "1"),),
+            )
+            for ex, task in list(self._active.items()):
+                ex.cut = cut
+                task.cancel()
+            await self._idle.wait()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         ex = Exchange(route, request_id(headers), send)
+        task = asyncio.current_task()
+        assert task is not None
+        self._active[ex] = task
+        self._idle.clear()
         try:
+            if self.draining:
+                raise GatewayError(
+                    503, "The gateway is shutting down; retry the request.", "service_unavailable",
+                    "draining", headers=(("retry-after", "1"), ("connection", "close")),
+                )
             if scope["method"] != "POST":
                 raise GatewayError(
                     405, f"Method {scope['method']} is not allowed here; use POST.",
@@ -189,6 +222,9 @@ class Relay:
                 ex.status = 500
                 await _send_error(send, GatewayError(500, "Internal gateway error.", "server_error"), ex.rid)
         finally:
+            del self._active[ex]
+            if not self._active:
+                self._idle.set()
             self._finish(ex)
 
     # -- admit and pick ------------------------------------------------------------------------
@@ -245,12 +281,15 @@ class Relay:
             else:
                 await self._relay_whole(ex, pod, resp, content_type)
         except asyncio.CancelledError:
-            if not watch.gone:
+            if not (watch.gone or ex.cut):
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            ex.status = 499
-            ex.detail = "client_gone"
-            self.metrics.client_disconnects.labels(req.model).inc()
+            if watch.gone:
+                ex.status = 499
+                ex.detail = "client_gone"
+                self.metrics.client_disconnects.labels(req.model).inc()
+            elif ex.cut is not None:
+                await self._end_cut(ex)
         finally:
             watch.close()
             if resp is not None:
@@ -399,6 +438,14 @@ class Relay:
         headers.append((b"content-length", str(len(body)).encode()))
         await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
         await ex.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _end_cut(self, ex: Exchange) -> None:
+        """The gateway ended this request (drain deadline): say so in the client's protocol."""
+        assert ex.cut is not None
+        ex.detail = str(ex.cut.code)
+        if ex.status == 0:
+            raise ex.cut
+        await ex.send({"type": "http.response.body", "body": ex.cut.sse_event(), "more_body": False})
 
     def _timeout(self, ex: Exchange, stage: str) -> GatewayError:
         """The error for an expired stage; counted here when it ends a stream already under way."""
