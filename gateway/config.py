@@ -93,6 +93,16 @@ class TierConfig(_Frozen):
     timeouts: StageOverrides = StageOverrides()
 
 
+class RetryConfig(_Frozen):
+    """Retries on another pod, only before the first byte reached the client."""
+
+    max_attempts: int = Field(default=3, ge=1, description="attempts per request, the first included")
+    budget_ratio: float = Field(default=0.2, ge=0, le=1, description="retries / requests, over 10 s")
+    min_retries_per_s: float = Field(default=3.0, ge=0, description="the budget's floor")
+    backoff_base_s: float = Field(default=0.025, ge=0)
+    backoff_max_s: float = Field(default=0.25, ge=0)
+
+
 class DiscoveryConfig(_Frozen):
     """How often pods are asked which models they serve (``GET /v1/models``)."""
 
@@ -106,6 +116,7 @@ class Config(_Frozen):
     upstream: UpstreamConfig = UpstreamConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    retries: RetryConfig = RetryConfig()
     tiers: dict[str, TierConfig] = Field(default_factory=dict)
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()

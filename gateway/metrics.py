@@ -71,6 +71,18 @@ class GatewayMetrics:
             ["stage"],
             registry=registry,
         )
+        self.upstream_attempts = Counter(
+            "sluicegate_upstream_attempts_total",
+            "Attempts to get an answer from a pod, by outcome (ok, connect_error, connect_timeout, "
+            "reset, status_502, status_503, first_token_timeout, failed).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retries_denied = Counter(
+            "sluicegate_retry_budget_exhausted_total",
+            "Retryable failures not retried because the retry budget was spent.",
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "sluicegate_client_disconnects_total",
             "Clients that went away before their answer was complete.",

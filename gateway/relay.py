@@ -27,6 +27,7 @@ from gateway.deadlines import Budget, TimeoutPolicy, timed_out
 from gateway.errors import GatewayError, model_not_found, no_capacity, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
+from gateway.retries import Retryable, RetryBudget, backoff_s
 from transports import sse
 from transports.client_socket import client_socket
 from transports.pod_client import (
@@ -52,11 +53,25 @@ _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 # Not forwarded to pods: hop-by-hop headers, ones the upstream client sets itself, and the
 # client's credentials for the gateway (pods are reached with the gateway's own identity).
-_NOT_FORWARDED = frozenset({
-    b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-    b"trailer", b"upgrade", b"expect", b"proxy-authorization", b"proxy-connection",
-    b"accept-encoding", b"authorization", b"x-request-id", b"content-type",
-})
+_NOT_FORWARDED = frozenset(
+    {
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"expect",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"accept-encoding",
+        b"authorization",
+        b"x-request-id",
+        b"content-type",
+    }
+)
 
 
 def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple[bytes, bytes]]:
@@ -105,8 +120,25 @@ class Exchange:
     """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
 
     __slots__ = (
-        "budget", "chunks", "cut", "deadline", "detail", "first_token_at", "model_label", "pod", "req",
-        "rid", "route", "send", "started", "status", "t0", "tier", "ttft", "watch",
+        "attempts",
+        "budget",
+        "chunks",
+        "cut",
+        "deadline",
+        "detail",
+        "first_token_at",
+        "model_label",
+        "pod",
+        "req",
+        "rid",
+        "route",
+        "send",
+        "started",
+        "status",
+        "t0",
+        "tier",
+        "ttft",
+        "watch",
     )
 
     def __init__(self, route: str, rid: str, send: Send) -> None:
@@ -127,6 +159,7 @@ class Exchange:
         self.chunks = 0
         self.detail = "ok"
         self.cut: GatewayError | None = None  # set when the gateway itself ends the request
+        self.attempts: list[str] = []  # one outcome per pod tried
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget
@@ -157,6 +190,8 @@ class Relay:
         self.metrics = metrics
         self._client = client
         self.timeouts = TimeoutPolicy(config)
+        retries = config.retries
+        self.retry_budget = RetryBudget(retries.budget_ratio, retries.min_retries_per_s)
         self.draining = False
         self._active: dict[Exchange, asyncio.Task[Any]] = {}
         self._idle = asyncio.Event()
@@ -174,8 +209,11 @@ class Relay:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             cut = GatewayError(
-                503, "The gateway is shutting down; retry the request.", "service_unavailable",
-                "shutting_down", headers=(("retry-after", "1"),),
+                503,
+                "The gateway is shutting down; retry the request.",
+                "service_unavailable",
+                "shutting_down",
+                headers=(("retry-after", "1"),),
             )
             for ex, task in list(self._active.items()):
                 ex.cut = cut
@@ -192,19 +230,25 @@ class Relay:
         try:
             if self.draining:
                 raise GatewayError(
-                    503, "The gateway is shutting down; retry the request.", "service_unavailable",
-                    "draining", headers=(("retry-after", "1"), ("connection", "close")),
+                    503,
+                    "The gateway is shutting down; retry the request.",
+                    "service_unavailable",
+                    "draining",
+                    headers=(("retry-after", "1"), ("connection", "close")),
                 )
             if scope["method"] != "POST":
                 raise GatewayError(
-                    405, f"Method {scope['method']} is not allowed here; use POST.",
-                    "invalid_request_error", "method_not_allowed", headers=(("allow", "POST"),),
+                    405,
+                    f"Method {scope['method']} is not allowed here; use POST.",
+                    "invalid_request_error",
+                    "method_not_allowed",
+                    headers=(("allow", "POST"),),
                 )
             req = await self._admit(ex, receive, headers, route)
             pod = self._pick(ex, req)
             ex.tier = self.timeouts.tier_of(headers)
             ex.set_budget(self.timeouts.budget(req.model, ex.tier, headers))
-            await self._proxy(ex, req, pod, headers, receive)
+            await self._serve(ex, req, pod, headers, receive)
         except GatewayError as err:
             ex.status = err.status
             ex.detail = str(err.code or err.type)
@@ -248,7 +292,7 @@ class Relay:
 
     # -- connect, then relay -------------------------------------------------------------------
 
-    async def _proxy(
+    async def _serve(
         self,
         ex: Exchange,
         req: InferenceRequest,
@@ -256,30 +300,31 @@ class Relay:
         headers: list[tuple[bytes, bytes]],
         receive: Receive,
     ) -> None:
-        pod.in_flight += 1
-        gauge = self._in_flight_gauges[pod.name]
-        gauge.inc()
+        """Attempts on one pod after another while failures are retryable, the client is here."""
         ex.watch = watch = DisconnectWatch(receive)
-        resp: PodResponse | None = None
+        loop = asyncio.get_running_loop()
+        self.retry_budget.record_request(loop.time())
+        tried: list[Pod] = []
         try:
-            # connect and await the first token (streaming) or the answer's first byte, in time
-            head = b""
-            try:
-                async with asyncio.timeout_at(min(ex.first_token_at, ex.deadline)):
-                    resp = await self._connect(ex, req, pod, headers)
-                    if resp.status != 200:
-                        raise await self._pod_error(pod, resp)
-                    content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
-                    streaming = req.stream and content_type.startswith(b"text/event-stream")
-                    if streaming:
-                        head = await self._await_first_token(pod, resp)
-            except TimeoutError:
-                stage = "first_token" if ex.first_token_at < ex.deadline else "total"
-                raise self._timeout(ex, stage) from None
-            if streaming:
-                await self._relay_stream(ex, pod, resp, content_type, head)
-            else:
-                await self._relay_whole(ex, pod, resp, content_type)
+            while True:
+                tried.append(pod)
+                ex.pod = pod
+                try:
+                    await self._attempt(ex, req, pod, headers)
+                    ex.attempts.append("ok")
+                    self.metrics.upstream_attempts.labels("ok").inc()
+                    return
+                except GatewayError:
+                    ex.attempts.append("failed")
+                    self.metrics.upstream_attempts.labels("failed").inc()
+                    raise
+                except Retryable as failure:
+                    ex.attempts.append(failure.outcome)
+                    self.metrics.upstream_attempts.labels(failure.outcome).inc()
+                    pod = self._retry_pod(ex, req, tried, failure)
+                    await asyncio.sleep(
+                        min(backoff_s(self.config.retries, len(tried)), max(0.0, ex.deadline - loop.time()))
+                    )
         except asyncio.CancelledError:
             if not (watch.gone or ex.cut):
                 raise
@@ -292,6 +337,54 @@ class Relay:
                 await self._end_cut(ex)
         finally:
             watch.close()
+
+    def _retry_pod(self, ex: Exchange, req: InferenceRequest, tried: list[Pod], failure: Retryable) -> Pod:
+        """Another pod for a retry, or the failure's own error when a retry is not allowed."""
+        loop_time = asyncio.get_running_loop().time()
+        if len(tried) >= self.config.retries.max_attempts or loop_time >= ex.deadline:
+            raise failure.error
+        pod = self.registry.pick(req.model, exclude=tuple(tried))
+        if pod is None:
+            raise failure.error
+        if not self.retry_budget.try_retry(loop_time):
+            self.metrics.retries_denied.inc()
+            raise failure.error
+        return pod
+
+    async def _attempt(
+        self, ex: Exchange, req: InferenceRequest, pod: Pod, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """One pod: connect, await the first token, relay. Raises ``Retryable`` before the first byte."""
+        pod.in_flight += 1
+        gauge = self._in_flight_gauges[pod.name]
+        gauge.inc()
+        resp: PodResponse | None = None
+        now = asyncio.get_running_loop().time()
+        first_token_at = ex.first_token_at if len(ex.attempts) == 0 else now + ex.budget.first_token_s  # type: ignore[union-attr]
+        try:
+            # connect and await the first token (streaming) or the answer's first byte, in time
+            head = b""
+            try:
+                async with asyncio.timeout_at(min(first_token_at, ex.deadline)):
+                    resp = await self._connect(ex, req, pod, headers)
+                    if resp.status != 200:
+                        error = await self._pod_error(pod, resp)
+                        if resp.status in (502, 503):
+                            raise Retryable(error, f"status_{resp.status}")
+                        raise error
+                    content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
+                    streaming = req.stream and content_type.startswith(b"text/event-stream")
+                    if streaming:
+                        head = await self._await_first_token(pod, resp)
+            except TimeoutError:
+                if first_token_at < ex.deadline:
+                    raise Retryable(self._timeout(ex, "first_token"), "first_token_timeout") from None
+                raise self._timeout(ex, "total") from None
+            if streaming:
+                await self._relay_stream(ex, pod, resp, content_type, head)
+            else:
+                await self._relay_whole(ex, pod, resp, content_type)
+        finally:
             if resp is not None:
                 # A fully read answer hands its connection back to the pool; anything else closes
                 # it, which is how the pod learns to abort the generation.
@@ -305,23 +398,30 @@ class Relay:
         try:
             assert ex.budget is not None
             return await self._client().request(
-                pod.host, pod.port, ROUTE_PATHS[req.route], upstream_headers(headers, ex.rid), req.body,
-                pod.tls, ex.budget.connect_s,
+                pod.host,
+                pod.port,
+                ROUTE_PATHS[req.route],
+                upstream_headers(headers, ex.rid),
+                req.body,
+                pod.tls,
+                ex.budget.connect_s,
             )
         except PodConnectTimeout:
             self.metrics.upstream_errors.labels(pod.name, "connect").inc()
             pod.reachable = False
             pod.last_error = "connect timed out"
-            raise self._timeout(ex, "connect") from None
+            raise Retryable(self._timeout(ex, "connect"), "connect_timeout") from None
         except PodConnectError as exc:
             self.metrics.upstream_errors.labels(pod.name, "connect").inc()
             # Stop sending it new work; discovery asks it again within retry_interval_s.
             pod.reachable = False
             pod.last_error = f"connect: {_reason(exc)}"
-            raise upstream_failed(pod.name, f"could not connect ({_reason(exc)}).") from None
+            error = upstream_failed(pod.name, f"could not connect ({_reason(exc)}).")
+            raise Retryable(error, "connect_error") from None
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
-            raise upstream_failed(pod.name, f"connection failed ({_reason(exc)}).") from None
+            error = upstream_failed(pod.name, f"connection failed ({_reason(exc)}).")
+            raise Retryable(error, "reset") from None
 
     async def _pod_error(self, pod: Pod, resp: PodResponse) -> GatewayError:
         """Turn a pod's non-200 answer into the client's: OpenAI error bodies pass through as is."""
@@ -343,13 +443,21 @@ class Relay:
             if payload.get("object") == "error" and isinstance(payload.get("message"), str):
                 # vLLM before 0.10.1 answered with a flat error object; give clients the nested one.
                 return GatewayError(
-                    resp.status, payload["message"], str(payload.get("type") or "upstream_error"),
-                    payload.get("code"), payload.get("param"), extra,
+                    resp.status,
+                    payload["message"],
+                    str(payload.get("type") or "upstream_error"),
+                    payload.get("code"),
+                    payload.get("param"),
+                    extra,
                 )
         status = resp.status if resp.status < 500 or resp.status in (502, 503, 504) else 502
         return GatewayError(
-            status, f"Upstream pod '{pod.name}' answered HTTP {resp.status} without an error body.",
-            "upstream_error", "bad_gateway" if status == 502 else f"upstream_{resp.status}", None, extra,
+            status,
+            f"Upstream pod '{pod.name}' answered HTTP {resp.status} without an error body.",
+            "upstream_error",
+            "bad_gateway" if status == 502 else f"upstream_{resp.status}",
+            None,
+            extra,
         )
 
     async def _await_first_token(self, pod: Pod, resp: PodResponse) -> bytes:
@@ -368,7 +476,7 @@ class Relay:
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             detail = f"broke the stream before the first token ({_reason(exc)})."
-            raise upstream_failed(pod.name, detail) from None
+            raise Retryable(upstream_failed(pod.name, detail), "reset") from None
         if not head:
             raise upstream_failed(pod.name, "closed the stream before sending anything.")
         return head  # the stream ended without a token (e.g. only a role chunk): pass it on
@@ -377,11 +485,13 @@ class Relay:
         self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes, head: bytes
     ) -> None:
         send = ex.send
-        await send({
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
-        })
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
+            }
+        )
         ex.status = 200
         ex.ttft = time.perf_counter() - ex.started
         await send({"type": "http.response.body", "body": head, "more_body": True})
@@ -484,11 +594,18 @@ class Relay:
         if self.config.server.access_log:
             access_log.info(
                 "rid=%s route=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "
-                "duration_ms=%.1f chunks=%d",
-                ex.rid, ex.route, model, int(bool(ex.req and ex.req.stream)),
-                ex.pod.name if ex.pod else "-", ex.status, ex.detail,
+                "duration_ms=%.1f chunks=%d attempts=%s",
+                ex.rid,
+                ex.route,
+                model,
+                int(bool(ex.req and ex.req.stream)),
+                ex.pod.name if ex.pod else "-",
+                ex.status,
+                ex.detail,
                 "-" if ex.ttft is None else f"{ex.ttft * 1000:.1f}",
-                elapsed * 1000, ex.chunks,
+                elapsed * 1000,
+                ex.chunks,
+                ",".join(ex.attempts) or "-",
             )
 
 

@@ -100,10 +100,11 @@ class PodRegistry:
     def routable_models(self) -> list[str]:
         return sorted(m for m, pods in self._by_model.items() if any(p.routable for p in pods))
 
-    def pick(self, model: str) -> Pod | None:
+    def pick(self, model: str, exclude: tuple[Pod, ...] = ()) -> Pod | None:
         """The routable pod serving ``model`` with the fewest requests in flight.
 
         Ties rotate, so an idle fleet still spreads requests instead of piling onto the first pod.
+        ``exclude`` holds pods this request already tried.
         """
         candidates = self._by_model.get(model)
         if not candidates:
@@ -113,7 +114,7 @@ class PodRegistry:
         best: Pod | None = None
         for i in range(n):
             pod = candidates[(offset + i) % n]
-            if pod.reachable and (best is None or pod.in_flight < best.in_flight):
+            if pod.reachable and pod not in exclude and (best is None or pod.in_flight < best.in_flight):
                 best = pod
         return best
 
