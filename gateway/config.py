@@ -103,6 +103,16 @@ class RetryConfig(_Frozen):
     backoff_max_s: float = Field(default=0.25, ge=0)
 
 
+class ResumeConfig(_Frozen):
+    """Mid-stream resume on another pod (opt-in per model; "*" for every model)."""
+
+    models: tuple[str, ...] = ()
+    max_per_request: int = Field(default=2, ge=0)
+
+    def enabled_for(self, model: str) -> bool:
+        return self.max_per_request > 0 and ("*" in self.models or model in self.models)
+
+
 class DiscoveryConfig(_Frozen):
     """How often pods are asked which models they serve (``GET /v1/models``)."""
 
@@ -117,6 +127,7 @@ class Config(_Frozen):
     discovery: DiscoveryConfig = DiscoveryConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     retries: RetryConfig = RetryConfig()
+    resume: ResumeConfig = ResumeConfig()
     tiers: dict[str, TierConfig] = Field(default_factory=dict)
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()

@@ -83,6 +83,12 @@ class GatewayMetrics:
             "Retryable failures not retried because the retry budget was spent.",
             registry=registry,
         )
+        self.stream_resumes = Counter(
+            "sluicegate_stream_resumes_total",
+            "Broken streams continued on another pod, by outcome (ok, failed, unsupported).",
+            ["outcome"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "sluicegate_client_disconnects_total",
             "Clients that went away before their answer was complete.",

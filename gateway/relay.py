@@ -27,6 +27,7 @@ from gateway.deadlines import Budget, TimeoutPolicy, timed_out
 from gateway.errors import GatewayError, model_not_found, no_capacity, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
+from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
 from gateway.retries import Retryable, RetryBudget, backoff_s
 from transports import sse
 from transports.client_socket import client_socket
@@ -127,9 +128,12 @@ class Exchange:
         "deadline",
         "detail",
         "first_token_at",
+        "headers",
+        "held",
         "model_label",
         "pod",
         "req",
+        "resumes",
         "rid",
         "route",
         "send",
@@ -137,6 +141,7 @@ class Exchange:
         "status",
         "t0",
         "tier",
+        "tried",
         "ttft",
         "watch",
     )
@@ -160,6 +165,10 @@ class Exchange:
         self.detail = "ok"
         self.cut: GatewayError | None = None  # set when the gateway itself ends the request
         self.attempts: list[str] = []  # one outcome per pod tried
+        self.tried: list[Pod] = []
+        self.resumes = 0
+        self.held: list[tuple[Pod, PodResponse]] = []  # continuation pods and their answers
+        self.headers: list[tuple[bytes, bytes]] = []
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget
@@ -304,7 +313,8 @@ class Relay:
         ex.watch = watch = DisconnectWatch(receive)
         loop = asyncio.get_running_loop()
         self.retry_budget.record_request(loop.time())
-        tried: list[Pod] = []
+        tried = ex.tried
+        ex.headers = headers
         try:
             while True:
                 tried.append(pod)
@@ -337,6 +347,10 @@ class Relay:
                 await self._end_cut(ex)
         finally:
             watch.close()
+            for held_pod, held_resp in ex.held:
+                held_resp.release()
+                held_pod.in_flight -= 1
+                self._in_flight_gauges[held_pod.name].dec()
 
     def _retry_pod(self, ex: Exchange, req: InferenceRequest, tried: list[Pod], failure: Retryable) -> Pod:
         """Another pod for a retry, or the failure's own error when a retry is not allowed."""
@@ -485,6 +499,8 @@ class Relay:
         self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes, head: bytes
     ) -> None:
         send = ex.send
+        req = ex.req
+        assert req is not None and ex.budget is not None and ex.watch is not None
         await send(
             {
                 "type": "http.response.start",
@@ -494,40 +510,113 @@ class Relay:
         )
         ex.status = 200
         ex.ttft = time.perf_counter() - ex.started
-        await send({"type": "http.response.body", "body": head, "more_body": True})
+        recorder = Recorder() if self.config.resume.enabled_for(req.model) else None
+        first = recorder.filter(head) if recorder is not None else head
+        await send({"type": "http.response.body", "body": first, "more_body": True})
 
-        # relay: the pod's bytes, as they arrive, untouched, under the stall and total deadlines
+        # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
+        # continue on another pod when this stream may be resumed
+        while True:
+            err, broke = await self._pump(ex, pod, resp, recorder)
+            ex.chunks += resp.chunks
+            if err is None or not broke or recorder is None:
+                break
+            resumed = await self._resume(ex, req, recorder, err)
+            if resumed is None:
+                break
+            err = None
+            pod, resp = resumed
+        if err is not None:
+            await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
+        elif resp.complete:
+            self._count_tokens(ex, sse.find_usage(resp.previous + resp.last))
+        ex.watch.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(
+        self, ex: Exchange, pod: Pod, resp: PodResponse, recorder: Recorder | None
+    ) -> tuple[GatewayError | None, bool]:
+        """Relay one pod's answer to its end; returns (the error that ended it, whether it broke)."""
         assert ex.budget is not None
+        send = ex.send
         stall = StallWatch(resp, ex.budget.stall_s)
-        err: GatewayError | None = None
         try:
             async with asyncio.timeout_at(ex.deadline):
                 socket = client_socket(send)
                 if socket is not None:
-                    resp.splice(socket.writer(resp))
+                    write = socket.writer(resp)
+                    resp.splice(write if recorder is None else _recording(recorder, write, resp))
                     await resp.done
                 else:
                     while chunk := await resp.read():
+                        if recorder is not None:
+                            chunk = recorder.filter(chunk)
+                            if recorder.broken:
+                                resp.close(PodBrokenError("the pod reported an error mid-stream"))
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            return None, False
         except TimeoutError:
             resp.close()
-            err = self._timeout(ex, "total")
+            return self._timeout(ex, "total"), False
         except PodStalledError:
-            err = self._timeout(ex, "stall")
+            return self._timeout(ex, "stall"), True
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             ex.detail = "upstream_broke_mid_stream"
-            err = upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)}).")
+            return upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)})."), True
         finally:
             stall.cancel()
-        if err is not None:
-            await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
-        ex.chunks = resp.chunks
-        if resp.complete:
-            self._count_tokens(ex, sse.find_usage(resp.previous + resp.last))
-        assert ex.watch is not None
-        ex.watch.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
+        """Count a continuation pod as busy until the request ends."""
+        pod.in_flight += 1
+        self._in_flight_gauges[pod.name].inc()
+        ex.held.append((pod, resp))
+
+    async def _resume(
+        self, ex: Exchange, req: InferenceRequest, recorder: Recorder, err: GatewayError
+    ) -> tuple[Pod, PodResponse] | None:
+        """Continue the answer on another pod; None (and a counted outcome) when it cannot be."""
+        why = unsupported_reason(req.route, req.payload)
+        if why is not None:
+            self.metrics.stream_resumes.labels("unsupported").inc()
+            err.message += f" The stream cannot be resumed on another pod ({why})."
+            return None
+        assert ex.budget is not None
+        loop = asyncio.get_running_loop()
+        while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
+            done = Transcript.read(bytes(recorder.sent))
+            pod = self.registry.pick(req.model, exclude=tuple(ex.tried))
+            if pod is None:
+                break
+            ex.resumes += 1
+            ex.tried.append(pod)
+            body = continuation_body(req.route, req.payload, done, 0)
+            cont = InferenceRequest(req.route, req.model, True, body, req.payload)
+            resp: PodResponse | None = None
+            try:
+                async with asyncio.timeout_at(min(loop.time() + ex.budget.first_token_s, ex.deadline)):
+                    resp = await self._connect(ex, cont, pod, ex.headers)
+                    if resp.status != 200:
+                        raise upstream_failed(pod.name, f"answered HTTP {resp.status}")
+                    head = await self._await_first_token(pod, resp)
+            except (Retryable, GatewayError, TimeoutError):
+                if resp is not None:
+                    resp.close()
+                continue
+            self._hold(ex, pod, resp)
+            recorder.broken = False
+            recorder.tail = b""
+            recorder.splicer = Splicer(created=done.created, tokens_before=done.tokens)
+            out = recorder.filter(recorder.splicer.head(head))
+            await ex.send({"type": "http.response.body", "body": out, "more_body": True})
+            self.metrics.stream_resumes.labels("ok").inc()
+            ex.pod = pod
+            ex.detail = "resumed"
+            return pod, resp
+        self.metrics.stream_resumes.labels("failed").inc()
+        err.message += " No other pod could continue the stream."
+        return None
 
     async def _relay_whole(self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes) -> None:
         try:
@@ -594,7 +683,7 @@ class Relay:
         if self.config.server.access_log:
             access_log.info(
                 "rid=%s route=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "
-                "duration_ms=%.1f chunks=%d attempts=%s",
+                "duration_ms=%.1f chunks=%d attempts=%s resumes=%d",
                 ex.rid,
                 ex.route,
                 model,
@@ -606,7 +695,23 @@ class Relay:
                 elapsed * 1000,
                 ex.chunks,
                 ",".join(ex.attempts) or "-",
+                ex.resumes,
             )
+
+
+def _recording(
+    recorder: Recorder, write: Callable[[bytes], None], resp: PodResponse
+) -> Callable[[bytes], None]:
+    """A splice sink that records what it passes and ends the answer at a pod's error event."""
+
+    def sink(body: bytes) -> None:
+        out = recorder.filter(body)
+        if out:
+            write(out)
+        if recorder.broken:
+            resp.close(PodBrokenError("the pod reported an error mid-stream"))
+
+    return sink
 
 
 def _reason(exc: BaseException) -> str:

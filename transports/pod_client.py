@@ -72,6 +72,8 @@ class PodResponse:
     # -- fed by the connection -------------------------------------------------------------------
 
     def _feed(self, body: bytes) -> None:
+        if self._eof:
+            return  # closed by the gateway while the parser was still delivering this read
         self.last_at = self._now()
         self.chunks += 1
         self.previous = self.last

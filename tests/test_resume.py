@@ -1,0 +1,121 @@
+"""Mid-stream resume: a broken stream continues on another pod and reads as one uninterrupted answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from loadtest.podsim.launch import PodsimProcess
+from loadtest.procs import GatewayProcess
+
+FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]
+CHAT = {
+    "model": "llama-8b",
+    "messages": [{"role": "user", "content": "Tell me about sluice gates."}],
+    "max_tokens": 12,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+@dataclass
+class Setup:
+    good: PodsimProcess
+    bad: PodsimProcess
+    url: str
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    with PodsimProcess(FAST) as good, PodsimProcess(FAST) as bad:
+        config = {
+            "server": {"host": "127.0.0.1"},
+            "timeouts": {"stall_s": 0.3},
+            "resume": {"models": ["*"], "max_per_request": 2},
+            "pods": [
+                {"name": "good", "url": good.url, "models": ["llama-8b"]},
+                {"name": "bad", "url": bad.url, "models": ["llama-8b"]},
+            ],
+        }
+        with GatewayProcess(config) as gw:
+            yield Setup(good, bad, gw.url)
+
+
+@pytest.fixture(autouse=True)
+def _clear(setup: Setup) -> Iterator[None]:
+    yield
+    httpx.delete(setup.bad.url + "/admin/faults")
+
+
+def _events(body: bytes) -> list[dict | str]:
+    out: list[dict | str] = []
+    for raw in body.split(b"\n\n"):
+        if raw.startswith(b"data: "):
+            data = raw[6:]
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def _text(events: list) -> str:
+    return "".join(
+        (c.get("delta") or {}).get("content") or c.get("text") or ""
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices", [])
+    )
+
+
+def _resumes(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('sluicegate_stream_resumes_total{outcome="ok"}')
+    )
+
+
+@pytest.mark.parametrize("fault", [{"drop_after": 5}, {"stall_after": 5}, {"error_after": 5}])
+def test_a_broken_stream_reads_as_one_uninterrupted_answer(setup: Setup, fault: dict) -> None:
+    expected = _events(httpx.post(setup.good.url + "/v1/chat/completions", json=CHAT).content)
+    httpx.post(setup.bad.url + "/admin/faults", json=fault).raise_for_status()
+    before = _resumes(setup.url)
+    for _ in range(4):  # ties rotate between the pods, so some of these start on the bad one
+        events = _events(httpx.post(setup.url + "/v1/chat/completions", json=CHAT, timeout=30).content)
+        assert events[-1] == "[DONE]"
+        assert not any("error" in e for e in events if isinstance(e, dict))
+        assert _text(events) == _text(expected)
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
+        roles = [c for e in chunks for c in e["choices"] if "role" in (c.get("delta") or {})]
+        assert len(roles) == 1
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == 12
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+    assert _resumes(setup.url) >= before + 1
+
+
+def test_resume_gives_up_cleanly_when_no_pod_can_continue(setup: Setup) -> None:
+    resp = httpx.post(
+        setup.url + "/v1/chat/completions", json=CHAT, headers={"x-podsim-fault": "drop_after=3"}, timeout=30
+    )
+    events = _events(resp.content)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "upstream_error" and "No other pod could continue" in error["message"]
+    assert len(_text(events).split()) == 6  # 3 tokens from each pod, then nothing left to try
+
+
+def test_streams_that_cannot_be_resumed_end_with_a_clear_error(setup: Setup) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    httpx.post(setup.bad.url + "/admin/faults", json={"drop_after": 3}).raise_for_status()
+    messages = []
+    for _ in range(4):
+        resp = httpx.post(setup.url + "/v1/chat/completions", json={**CHAT, "tools": tools}, timeout=30)
+        events = _events(resp.content)
+        if isinstance(events[-2], dict) and "error" in events[-2]:
+            messages.append(events[-2]["error"]["message"])
+    assert messages and all("cannot be resumed on another pod (tool calls)" in m for m in messages)
