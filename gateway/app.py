@@ -44,6 +44,10 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._pod_client: PodClient | None = None
         self.relay = Relay(config, self.registry, self.metrics, self.pod_client)
+        self.metrics.watch_runtime(
+            lambda: len(asyncio.all_tasks()),
+            lambda: self._pod_client.open_connections if self._pod_client else 0,
+        )
         self.started = time.time()
         self.control = Starlette(
             routes=[

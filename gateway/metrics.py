@@ -6,6 +6,8 @@ in locals and added once when the stream ends: the per-token path touches no met
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -113,6 +115,19 @@ class GatewayMetrics:
             ["pod"],
             registry=registry,
         )
+
+    def watch_runtime(self, tasks: Callable[[], int], upstream_connections: Callable[[], int]) -> None:
+        """Gauges read at scrape time, so a leak of tasks or pod connections shows on a graph."""
+        Gauge(
+            "sluicegate_asyncio_tasks",
+            "asyncio tasks alive in the gateway's event loop.",
+            registry=self.registry,
+        ).set_function(tasks)
+        Gauge(
+            "sluicegate_upstream_connections",
+            "Open connections to pods (busy and idle keep-alive).",
+            registry=self.registry,
+        ).set_function(upstream_connections)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

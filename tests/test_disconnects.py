@@ -1,0 +1,78 @@
+"""Clients that leave: the pod's generation is aborted at once, and nothing leaks in the gateway."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.procs import GatewayProcess
+from tests.conftest import Fleet, pod_aborts, wait_for
+
+LONG = {
+    "model": "llama-8b",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4000,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet) -> Iterator[str]:
+    config = {
+        "server": {"host": "127.0.0.1", "access_log": False},
+        "pods": [
+            {"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]},
+            {"name": "pod-b", "url": fleet.pod_b.url, "models": ["llama-8b"]},
+        ],
+    }
+    with GatewayProcess(config) as gw:
+        yield gw.url
+
+
+def _runtime(url: str) -> dict[str, float]:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    return {
+        "tasks": families["sluicegate_asyncio_tasks"].samples[0].value,
+        "upstream": families["sluicegate_upstream_connections"].samples[0].value,
+        "fds": families["process_open_fds"].samples[0].value,
+        "in_flight": sum(s.value for s in families["sluicegate_in_flight_requests"].samples),
+    }
+
+
+def _open_stream(url: str, headers: str = "") -> socket.socket:
+    parts = urlsplit(url)
+    body = json.dumps(LONG).encode()
+    sock = socket.create_connection((parts.hostname, parts.port))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + headers.encode()
+        + b"content-length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    return sock
+
+
+def test_forty_clients_leaving_abort_forty_generations_and_leak_nothing(gateway: str, fleet: Fleet) -> None:
+    httpx.post(gateway + "/v1/chat/completions", json={**LONG, "max_tokens": 2})  # warm the pools
+    baseline = _runtime(gateway)
+    aborts = pod_aborts(fleet)
+    streaming = [_open_stream(gateway) for _ in range(20)]
+    for sock in streaming:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # tokens are flowing
+    waiting = [_open_stream(gateway, "x-podsim-fault: first_token_delay_ms=30000\r\n") for _ in range(20)]
+    assert wait_for(lambda: _runtime(gateway)["in_flight"] == 40)
+    for sock in streaming + waiting:
+        sock.close()
+    assert wait_for(lambda: pod_aborts(fleet) >= aborts + 40)
+    assert wait_for(lambda: _runtime(gateway)["in_flight"] == 0)
+    after = _runtime(gateway)
+    assert after["tasks"] == baseline["tasks"]
+    assert after["fds"] <= baseline["fds"]
+    assert after["upstream"] <= baseline["upstream"]
