@@ -29,6 +29,7 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null 2>&1; } || \
 		echo "bench: nginx could not be installed; its rows will be skipped"
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
+	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

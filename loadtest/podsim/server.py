@@ -10,6 +10,7 @@ aborts the sequence in the engine at once, as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -392,6 +393,7 @@ class Podsim:
         else:
             self.max_model_len = config.max_model_len
         self.stats = {model: ModelStats(model) for model in self.models}
+        self.abort_log: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
         self.sequences = SequenceCache()
         self.faults = config.faults
         self.in_flight = 0
@@ -437,6 +439,7 @@ class Podsim:
         r.add_get("/version", self.version)
         r.add_get("/metrics", self.metrics)
         r.add_get("/podsim/identity", self.identity_handler)
+        r.add_get("/podsim/aborts", self.aborts_handler)
         r.add_get("/admin/faults", self.get_faults)
         r.add_post("/admin/faults", self.set_faults)
         r.add_delete("/admin/faults", self.clear_faults)
@@ -477,6 +480,10 @@ class Podsim:
         """``GET /v1/models``: how gateways discover what a pod serves."""
         body = wire.model_list(self.models, self.created, self.max_model_len, self._permission_ids)
         return web.Response(body=body, content_type=wire.JSON_CONTENT_TYPE)
+
+    async def aborts_handler(self, _request: web.Request) -> web.Response:
+        """``GET /podsim/aborts``: request ids of aborted generations and when (time.monotonic())."""
+        return self._json({"aborts": [{"id": rid, "at": at} for rid, at in self.abort_log]})
 
     async def identity_handler(self, _request: web.Request) -> web.Response:
         """``GET /podsim/identity``: the MIG slice this pod pretends to run on."""
@@ -671,11 +678,14 @@ class Podsim:
             "prompt",
         )
 
-    def _abandoned(self, seq: Sequence, sink: _StreamSink | _PlainSink) -> None:
+    def _abandoned(self, seq: Sequence, sink: _StreamSink | _PlainSink, request_id: str) -> None:
         """The handler was cancelled (the client went away, or a drop fault): abort and count."""
         active = self.engine.abort(seq)
         if (active or sink.client_gone or sink.stalled) and not sink.dropped:
             seq.stats.aborts += 1
+            # CLOCK_MONOTONIC is machine-wide: benchmarks compare it with when their client left.
+            # Logged by the caller's X-Request-Id, without the chatcmpl-/cmpl- prefix.
+            self.abort_log.append((request_id.split("-", 1)[1], time.monotonic()))
 
     async def _stream(
         self, request: web.Request, job: Job, faults: Faults, stats: ModelStats
@@ -704,7 +714,7 @@ class Podsim:
         try:
             await done
         except asyncio.CancelledError:
-            self._abandoned(seq, sink)
+            self._abandoned(seq, sink, job.request_id)
             raise
         return response
 
@@ -732,7 +742,7 @@ class Podsim:
         try:
             outcome = await done
         except asyncio.CancelledError:
-            self._abandoned(seq, sink)
+            self._abandoned(seq, sink, job.request_id)
             raise
         if outcome == "error":
             return ApiError(500, "Internal server error").response()

@@ -1,0 +1,231 @@
+"""Disconnect benchmark: clients that leave, and how soon the pod learns it should stop.
+
+A burst of clients that each read a few tokens and then close, and as many that close while
+still waiting for their first token (the pod holds it back with a fault). Each request carries
+its own ``X-Request-Id``; the pod simulator logs, per aborted request id, the moment it saw the
+disconnect (``GET /podsim/aborts``, ``time.monotonic()``, which is one clock for the whole machine),
+and this client logs the moment it closed. The difference is the client-close to upstream-close
+latency. Also: one client at a time (the single-disconnect latency), and the proxy's open fds
+(and, for the gateway, its asyncio tasks) before and after.
+
+    python -m loadtest.bench_disconnects [--clients 500] [--target gateway,nginx] [--write-md FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway.rlimits import raise_open_file_limit
+from loadtest.bench import (
+    MODEL,
+    PROXY_CORE,
+    Scenario,
+    machine_summary,
+    pin_prefix,
+    process_tree,
+    start_gateway,
+    start_pod,
+)
+from loadtest.loadgen import percentile
+from loadtest.nginx import NginxProcess, nginx_binary
+from loadtest.report import replace_marked_section
+
+MD_BEGIN = "<!-- bench:disconnects:begin -->"
+MD_END = "<!-- bench:disconnects:end -->"
+POD = Scenario("disconnects", "disconnects", streams=2000, requests=1, max_tokens=4000, itl_ms=20.0)
+HOLD_FIRST_TOKEN = "x-podsim-fault: first_token_delay_ms=60000\r\n"
+
+
+def _request(rid: str, extra: str) -> bytes:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "leave early"}],
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        f"x-request-id: {rid}\r\n{extra}content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+async def _leave(host: str, port: int, rid: str, mid_stream: bool, ready: asyncio.Event) -> float:
+    """Send one request; close after 3 tokens (mid-stream) or once everyone has sent (waiting)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(_request(rid, "" if mid_stream else HOLD_FIRST_TOKEN))
+    await writer.drain()
+    if mid_stream:
+        seen = b""
+        while seen.count(b'"content":"') < 4:  # the role chunk plus three tokens
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            seen += chunk
+    else:
+        await ready.wait()
+    closed_at = time.monotonic()
+    writer.close()
+    return closed_at
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _aborts(pod_url: str) -> dict[str, float]:
+    return {a["id"]: a["at"] for a in _get_json(pod_url + "/podsim/aborts")["aborts"]}
+
+
+def _open_fds(pid: int) -> int:
+    """Open fds of the proxy and its children (nginx: master and workers)."""
+    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in process_tree(pid))
+
+
+def _gateway_tasks(url: str) -> int | None:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("sluicegate_asyncio_tasks "):
+                return int(float(line.split()[1]))
+    return None
+
+
+async def _burst(base: str, clients: int) -> dict[str, tuple[float, bool]]:
+    parts = urlsplit(base)
+    ready = asyncio.Event()
+    rids = [(f"{'mid' if i % 2 else 'wait'}-{uuid.uuid4().hex}", bool(i % 2)) for i in range(2 * clients)]
+    tasks = [asyncio.create_task(_leave(parts.hostname, parts.port, rid, mid, ready)) for rid, mid in rids]
+    mids = [t for t, (_, mid) in zip(tasks, rids, strict=True) if mid]
+    await asyncio.gather(*mids)  # every mid-stream client has left; let the waiting ones go at once
+    await asyncio.sleep(0.5)  # their requests have long reached the pod (benchmark pacing, not a sync)
+    ready.set()
+    closed = await asyncio.gather(*tasks)
+    return {rid: (at, mid) for (rid, mid), at in zip(rids, closed, strict=True)}
+
+
+async def _singles(base: str, count: int) -> dict[str, tuple[float, bool]]:
+    parts = urlsplit(base)
+    out = {}
+    ready = asyncio.Event()
+    for _ in range(count):
+        rid = f"single-{uuid.uuid4().hex}"
+        out[rid] = (await _leave(parts.hostname, parts.port, rid, True, ready), True)
+        await asyncio.sleep(0.05)
+    return out
+
+
+def _latencies(closed: dict[str, tuple[float, bool]], pod_url: str, want: int) -> tuple[list[float], int]:
+    deadline = time.monotonic() + 15
+    seen = _aborts(pod_url)
+    while sum(rid in seen for rid in closed) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = _aborts(pod_url)
+    lat = [(seen[rid] - at) * 1000 for rid, (at, _) in closed.items() if rid in seen]
+    return lat, sum(rid in seen for rid in closed)
+
+
+def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, Any]:
+    pod = start_pod(POD, pin)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sluicegate-disc-") as tmp:
+            if target == "gateway":
+                proxy: Any = start_gateway(pod.url, pin)
+            else:
+                proxy = NginxProcess(pod.url, Path(tmp) / "nginx", command_prefix=pin_prefix(PROXY_CORE, pin))
+                proxy.start()
+            try:
+                pid = proxy.pid
+                urllib.request.urlopen(
+                    proxy.url + ("/readyz" if target == "gateway" else "/v1/models")
+                ).read()
+                fds0, tasks0 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
+                burst = asyncio.run(_burst(proxy.url, clients))
+                lat, seen = _latencies(burst, pod.url, 2 * clients)
+                single = asyncio.run(_singles(proxy.url, singles))
+                single_lat, _ = _latencies(single, pod.url, singles)
+                time.sleep(1.0)
+                fds1, tasks1 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
+            finally:
+                proxy.stop() if target != "gateway" else proxy.__exit__(None, None, None)
+    finally:
+        pod.stop()
+    return {
+        "target": target,
+        "clients": 2 * clients,
+        "aborts_seen": seen,
+        "burst_p50_ms": percentile(lat, 50),
+        "burst_p99_ms": percentile(lat, 99),
+        "single_p50_ms": percentile(single_lat, 50),
+        "single_p99_ms": percentile(single_lat, 99),
+        "fds_before": fds0,
+        "fds_after": fds1,
+        "tasks_before": tasks0,
+        "tasks_after": tasks1,
+    }
+
+
+def render(results: list[dict[str, Any]], command: str, pin: bool) -> str:
+    fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {machine_summary(pin)}",
+        "",
+        "| target | clients that left | pod saw abort | burst close→abort p50 ms | p99 ms | single p50 ms "
+        "| single p99 ms | fds before → after | tasks before → after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        tasks = "—" if r["tasks_before"] is None else f"{r['tasks_before']} → {r['tasks_after']}"
+        lines.append(
+            f"| {r['target']} | {r['clients']} | {r['aborts_seen']} | {fmt(r['burst_p50_ms'])} | "
+            f"{fmt(r['burst_p99_ms'])} | {fmt(r['single_p50_ms'])} | {fmt(r['single_p99_ms'])} | "
+            f"{r['fds_before']} → {r['fds_after']} | {tasks} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_disconnects", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--clients", type=int, default=500, help="clients per kind (mid-stream, waiting)")
+    parser.add_argument("--singles", type=int, default=20, help="one-at-a-time disconnects")
+    parser.add_argument("--target", default="gateway,nginx")
+    parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--write-md", metavar="FILE")
+    args = parser.parse_args(argv)
+    raise_open_file_limit()
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        os.sched_setaffinity(0, {0})
+    targets = [t for t in args.target.split(",") if t != "nginx" or nginx_binary()]
+    results = []
+    for target in targets:
+        result = run_target(target, args.clients, args.singles, pin)
+        print(f"bench_disconnects: {json.dumps(result)}", file=sys.stderr, flush=True)
+        results.append(result)
+    command = "python -m loadtest.bench_disconnects " + " ".join(argv if argv is not None else sys.argv[1:])
+    section = render(results, command.strip(), pin)
+    print(section)
+    if args.write_md:
+        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+    ok = all(r["aborts_seen"] == r["clients"] for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
