@@ -96,11 +96,14 @@ class DisconnectWatch:
     the pod generating until its natural end.
     """
 
-    __slots__ = ("_task", "_watcher", "finished", "gone")
+    __slots__ = ("_task", "_watcher", "finished", "gone", "upstream")
 
     def __init__(self, receive: Receive) -> None:
         self.gone = False
         self.finished = False
+        # The pod answer in progress: closed right here, before the request's own task even wakes,
+        # so that in a burst of departures no pod waits behind other requests' clean-up.
+        self.upstream: PodResponse | None = None
         self._task = asyncio.current_task()
         self._watcher = asyncio.ensure_future(self._watch(receive))
 
@@ -110,6 +113,8 @@ class DisconnectWatch:
             if message["type"] == "http.disconnect":
                 if not self.finished and self._task is not None:
                     self.gone = True
+                    if self.upstream is not None:
+                        self.upstream.close()
                     self._task.cancel()
                 return
 
@@ -381,6 +386,8 @@ class Relay:
             try:
                 async with asyncio.timeout_at(min(first_token_at, ex.deadline)):
                     resp = await self._connect(ex, req, pod, headers)
+                    assert ex.watch is not None
+                    ex.watch.upstream = resp
                     if resp.status != 200:
                         error = await self._pod_error(pod, resp)
                         if resp.status in (502, 503):
@@ -597,6 +604,8 @@ class Relay:
             try:
                 async with asyncio.timeout_at(min(loop.time() + ex.budget.first_token_s, ex.deadline)):
                     resp = await self._connect(ex, cont, pod, ex.headers)
+                    assert ex.watch is not None
+                    ex.watch.upstream = resp
                     if resp.status != 200:
                         raise upstream_failed(pod.name, f"answered HTTP {resp.status}")
                     head = await self._await_first_token(pod, resp)
