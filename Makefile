@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 		echo "bench: nginx could not be installed; its rows will be skipped"
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
+
+soak: setup  ## a minute of mixed pod faults under load: every request ends cleanly, nothing leaks
+	$(BIN)/python -m loadtest.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
