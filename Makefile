@@ -30,6 +30,7 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 		echo "bench: nginx could not be installed; its rows will be skipped"
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
+	$(BIN)/python -m loadtest.bench_resume $(BENCH_RESUME_ARGS)
 
 soak: setup  ## a minute of mixed pod faults under load: every request ends cleanly, nothing leaks
 	$(BIN)/python -m loadtest.soak $(SOAK_ARGS)
