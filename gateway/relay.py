@@ -598,7 +598,7 @@ class Relay:
                 break
             ex.resumes += 1
             ex.tried.append(pod)
-            body = continuation_body(req.route, req.payload, done, 0)
+            body = continuation_body(req.route, req.payload, done)
             cont = InferenceRequest(req.route, req.model, True, body, req.payload)
             resp: PodResponse | None = None
             try:

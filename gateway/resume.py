@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from transports import sse
@@ -70,7 +70,7 @@ class Transcript:
                     out.finished = True
 
 
-def continuation_body(route: str, payload: dict[str, Any], done: Transcript, base_tokens: int) -> bytes:
+def continuation_body(route: str, payload: dict[str, Any], done: Transcript) -> bytes:
     """The request that asks a pod for the rest of the answer."""
     body = dict(payload)
     if route == "chat":
@@ -79,10 +79,9 @@ def continuation_body(route: str, payload: dict[str, Any], done: Transcript, bas
         body["add_generation_prompt"] = False
     else:
         body["prompt"] = payload["prompt"] + done.text
-    produced = done.tokens - base_tokens
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(payload.get(key), int):
-            body[key] = max(1, payload[key] - produced)
+            body[key] = max(1, payload[key] - done.tokens)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -94,7 +93,6 @@ class Splicer:
     new_created: int | None = None
     tokens_before: int = 0
     _skip_role: bool = True
-    _pending: bytes = field(default=b"")
 
     def head(self, data: bytes) -> bytes:
         """The continuation's opening bytes, without its role-only event(s)."""

@@ -30,18 +30,3 @@ def open_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
         raise_for_status=False,
     )
-
-
-# Failures that mean "the pod could not be reached or dropped the connection".
-CONNECT_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerTimeoutError,
-    TimeoutError,
-)
-BROKEN_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ClientPayloadError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-    aiohttp.ClientResponseError,
-    ConnectionError,
-)

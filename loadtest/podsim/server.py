@@ -159,6 +159,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+
+def fault_schedule(faults: Faults) -> list[tuple[int, int, str]]:
+    """(token number before which the fault fires, order, knob) for each knob set, firing order first."""
+    return sorted(
+        (getattr(faults, name) + 1, _FAULT_ORDER.index(name), name)
+        for name in _FAULT_ORDER
+        if getattr(faults, name) is not None
+    )
+
 class _StreamSink:
     """Writes one SSE response straight to its transport from engine callbacks."""
 
@@ -207,11 +216,7 @@ class _StreamSink:
         self.tokens = job.words.bytes
         self.offset = job.start - 1  # token g (1-based) is tokens[offset + g]
         # (token number before which the fault fires, knob), in firing order
-        self.pending = sorted(
-            (getattr(faults, name) + 1, _FAULT_ORDER.index(name), name)
-            for name in _FAULT_ORDER
-            if getattr(faults, name) is not None
-        )
+        self.pending = fault_schedule(faults)
         self.fault_at = self.pending[0][0] if self.pending else -1
         self.started = False
         self.client_gone = False
@@ -326,11 +331,7 @@ class _PlainSink:
         self.transport = transport
         self.stats = stats
         self.done = done
-        self.pending = sorted(
-            (getattr(faults, name) + 1, _FAULT_ORDER.index(name), name)
-            for name in _FAULT_ORDER
-            if getattr(faults, name) is not None
-        )
+        self.pending = fault_schedule(faults)
         self.fault_at = self.pending[0][0] if self.pending else -1
         self.malformed = False
         self.client_gone = False
