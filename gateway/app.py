@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pods.discovery import discovery_loop, refresh_all
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
+from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
 from transports.upstream import open_session
 
@@ -86,6 +87,7 @@ class Gateway:
         self._pod_client = PodClient(
             self.config.timeouts.connect_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod
         )
+        self.relay.hangups = HangupWatcher()
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.
         await refresh_all(self.registry, self._session, discovery, self.metrics)
@@ -100,6 +102,8 @@ class Gateway:
                 await loop_task
             await self._session.close()
             await self._pod_client.close()
+            self.relay.hangups.close()
+            self.relay.hangups = None
             self._session = None
             self._pod_client = None
 

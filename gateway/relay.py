@@ -31,6 +31,8 @@ from gateway.resume import Recorder, Splicer, Transcript, continuation_body, uns
 from gateway.retries import Retryable, RetryBudget, backoff_s
 from transports import sse
 from transports.client_socket import client_socket
+from transports.h1_disconnect import client_socket_of, trip_on_disconnect
+from transports.hangups import HangupWatcher, Pairing
 from transports.pod_client import (
     PodBrokenError,
     PodClient,
@@ -89,37 +91,69 @@ def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple
 
 
 class DisconnectWatch:
-    """Cancels the request's task the moment the client goes away.
+    """Closes the pod answer and cancels the request's task the moment the client goes away.
 
     uvicorn reports a disconnect only through ``receive()``, and a ``send()`` to a closed
     connection silently does nothing; without this watch a stream whose client left would keep
-    the pod generating until its natural end.
+    the pod generating until its natural end. Under uvicorn's HTTP/1.1 a tripwire calls back from
+    the protocol's own I/O callback, and the hang-up watcher's thread shuts the pod socket down even
+    before that; under any other server a task awaits ``receive()``.
     """
 
-    __slots__ = ("_task", "_watcher", "finished", "gone", "upstream")
+    __slots__ = ("_hangups", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, hangups: HangupWatcher | None) -> None:
         self.gone = False
         self.finished = False
-        # The pod answer in progress: closed right here, before the request's own task even wakes,
-        # so that in a burst of departures no pod waits behind other requests' clean-up.
-        self.upstream: PodResponse | None = None
+        self._upstream: PodResponse | None = None
         self._task = asyncio.current_task()
-        self._watcher = asyncio.ensure_future(self._watch(receive))
+        self._watcher: asyncio.Future[None] | None = None
+        self._hangups = hangups
+        self._pairing: Pairing | None = None
+        self._tripwire = trip_on_disconnect(receive, self._client_gone)
+        if self._tripwire is None:
+            self._watcher = asyncio.ensure_future(self._watch(receive))
+        elif hangups is not None and not self.gone:
+            client = client_socket_of(receive)
+            if client is not None:
+                self._pairing = hangups.pair(client)
+
+    @property
+    def upstream(self) -> PodResponse | None:
+        """The pod answer in progress, closed the moment the client leaves. Set it to None before
+        the answer's connection goes back to the pool."""
+        return self._upstream
+
+    @upstream.setter
+    def upstream(self, resp: PodResponse | None) -> None:
+        self._upstream = resp
+        if self._pairing is not None:
+            assert self._hangups is not None
+            self._hangups.set_upstream(self._pairing, resp.socket if resp is not None else None)
+
+    def _client_gone(self) -> None:
+        if not self.finished and self._task is not None:
+            self.gone = True
+            if self._upstream is not None:
+                self._upstream.close()
+            self._task.cancel()
 
     async def _watch(self, receive: Receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if not self.finished and self._task is not None:
-                    self.gone = True
-                    if self.upstream is not None:
-                        self.upstream.close()
-                    self._task.cancel()
+                self._client_gone()
                 return
 
     def close(self) -> None:
-        self._watcher.cancel()
+        if self._tripwire is not None:
+            self._tripwire.disarm()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._pairing is not None:
+            assert self._hangups is not None
+            self._hangups.unpair(self._pairing)
+            self._pairing = None
 
 
 class Exchange:
@@ -203,6 +237,7 @@ class Relay:
         self.registry = registry
         self.metrics = metrics
         self._client = client
+        self.hangups: HangupWatcher | None = None  # set by the app while it runs
         self.timeouts = TimeoutPolicy(config)
         retries = config.retries
         self.retry_budget = RetryBudget(retries.budget_ratio, retries.min_retries_per_s)
@@ -315,7 +350,7 @@ class Relay:
         receive: Receive,
     ) -> None:
         """Attempts on one pod after another while failures are retryable, the client is here."""
-        ex.watch = watch = DisconnectWatch(receive)
+        ex.watch = watch = DisconnectWatch(receive, self.hangups)
         loop = asyncio.get_running_loop()
         self.retry_budget.record_request(loop.time())
         tried = ex.tried
@@ -409,6 +444,8 @@ class Relay:
             if resp is not None:
                 # A fully read answer hands its connection back to the pool; anything else closes
                 # it, which is how the pod learns to abort the generation.
+                if ex.watch is not None and ex.watch.upstream is resp:
+                    ex.watch.upstream = None
                 resp.release()
             pod.in_flight -= 1
             gauge.dec()

@@ -12,6 +12,7 @@ import uvicorn
 from gateway.app import Gateway
 from gateway.config import Config
 from gateway.rlimits import raise_open_file_limit
+from transports.h1_disconnect import PromptH1Protocol
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -71,7 +72,7 @@ def build_server(config: Config, log_level: str = "info") -> Server:
         host=config.server.host,
         port=config.server.port,
         loop="uvloop",
-        http="httptools",
+        http=PromptH1Protocol,
         lifespan="on",
         access_log=False,
         log_config=None,

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,6 +39,7 @@ from loadtest.bench import (
     start_gateway,
     start_pod,
 )
+from loadtest.fincap import FinCapture
 from loadtest.loadgen import percentile
 from loadtest.nginx import NginxProcess, nginx_binary
 from loadtest.report import replace_marked_section
@@ -64,9 +66,12 @@ def _request(rid: str, extra: str) -> bytes:
     ).encode() + body
 
 
-async def _leave(host: str, port: int, rid: str, mid_stream: bool, ready: asyncio.Event) -> float:
-    """Send one request; close after 3 tokens (mid-stream) or once everyone has sent (waiting)."""
+async def _leave(host: str, port: int, rid: str, mid_stream: bool, ready: asyncio.Event) -> tuple[float, int]:
+    """Send one request; close after 3 tokens (mid-stream) or once everyone has sent (waiting).
+
+    Returns when it closed (monotonic) and its own port (to find its FIN in a capture)."""
     reader, writer = await asyncio.open_connection(host, port)
+    own_port = writer.get_extra_info("sockname")[1]
     writer.write(_request(rid, "" if mid_stream else HOLD_FIRST_TOKEN))
     await writer.drain()
     if mid_stream:
@@ -83,7 +88,7 @@ async def _leave(host: str, port: int, rid: str, mid_stream: bool, ready: asynci
     closed_at = time.monotonic()
     writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
     writer.close()
-    return closed_at
+    return closed_at, own_port
 
 
 def _get_json(url: str) -> Any:
@@ -91,8 +96,9 @@ def _get_json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-def _aborts(pod_url: str) -> dict[str, float]:
-    return {a["id"]: a["at"] for a in _get_json(pod_url + "/podsim/aborts")["aborts"]}
+def _aborts(pod_url: str) -> dict[str, tuple[float, int]]:
+    """Per aborted request id: when the pod simulator noticed (monotonic) and the proxy's port."""
+    return {a["id"]: (a["at"], a["peer_port"]) for a in _get_json(pod_url + "/podsim/aborts")["aborts"]}
 
 
 def _open_fds(pid: int) -> int:
@@ -108,7 +114,10 @@ def _gateway_tasks(url: str) -> int | None:
     return None
 
 
-async def _burst(base: str, clients: int) -> dict[str, tuple[float, bool]]:
+Departures = dict[str, tuple[float, bool, int]]  # request id: (closed at, mid-stream, client port)
+
+
+async def _burst(base: str, clients: int) -> Departures:
     parts = urlsplit(base)
     ready = asyncio.Event()
     rids = [(f"{'mid' if i % 2 else 'wait'}-{uuid.uuid4().hex}", bool(i % 2)) for i in range(2 * clients)]
@@ -118,28 +127,50 @@ async def _burst(base: str, clients: int) -> dict[str, tuple[float, bool]]:
     await asyncio.sleep(0.5)  # their requests have long reached the pod (benchmark pacing, not a sync)
     ready.set()
     closed = await asyncio.gather(*tasks)
-    return {rid: (at, mid) for (rid, mid), at in zip(rids, closed, strict=True)}
+    return {rid: (at, mid, port) for (rid, mid), (at, port) in zip(rids, closed, strict=True)}
 
 
-async def _singles(base: str, count: int) -> dict[str, tuple[float, bool]]:
+async def _singles(base: str, count: int) -> Departures:
     parts = urlsplit(base)
     out = {}
     ready = asyncio.Event()
     for _ in range(count):
         rid = f"single-{uuid.uuid4().hex}"
-        out[rid] = (await _leave(parts.hostname, parts.port, rid, True, ready), True)
+        at, port = await _leave(parts.hostname, parts.port, rid, True, ready)
+        out[rid] = (at, True, port)
         await asyncio.sleep(0.05)
     return out
 
 
-def _latencies(closed: dict[str, tuple[float, bool]], pod_url: str, want: int) -> tuple[list[float], int]:
+def _latencies(
+    left: Departures, pod_url: str, proxy_port: int, pod_port: int, capture: FinCapture | None
+) -> tuple[list[float], list[float], int]:
+    """Close→abort latencies (ms): on the wire (kernel stamps of the two FINs; empty without a
+    capture) and as the pod simulator noticed it; and how many departures the pod saw at all."""
     deadline = time.monotonic() + 15
     seen = _aborts(pod_url)
-    while sum(rid in seen for rid in closed) < want and time.monotonic() < deadline:
+    while sum(rid in seen for rid in left) < len(left) and time.monotonic() < deadline:
         time.sleep(0.1)
         seen = _aborts(pod_url)
-    lat = [(seen[rid] - at) * 1000 for rid, (at, _) in closed.items() if rid in seen]
-    return lat, sum(rid in seen for rid in closed)
+    noticed = [(seen[rid][0] - at) * 1000 for rid, (at, _, _) in left.items() if rid in seen]
+    wire = []
+    if capture is not None:
+        time.sleep(0.2)  # the capture thread's last segments (benchmark pacing, not a sync)
+        for rid, (_, _, client_port) in left.items():
+            client_fin = capture.first.get((client_port, proxy_port))
+            proxy_fin = capture.first.get((seen[rid][1], pod_port)) if rid in seen else None
+            if client_fin is not None and proxy_fin is not None:
+                wire.append((proxy_fin - client_fin) * 1000)
+    return wire, noticed, sum(rid in seen for rid in left)
+
+
+def _captured(run: Callable[[], Departures]) -> tuple[Departures, FinCapture | None]:
+    capture = FinCapture()
+    started = capture.start()
+    try:
+        return run(), capture if started else None
+    finally:
+        capture.stop()
 
 
 def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, Any]:
@@ -157,10 +188,11 @@ def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, 
                     proxy.url + ("/readyz" if target == "gateway" else "/v1/models")
                 ).read()
                 fds0, tasks0 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
-                burst = asyncio.run(_burst(proxy.url, clients))
-                lat, seen = _latencies(burst, pod.url, 2 * clients)
-                single = asyncio.run(_singles(proxy.url, singles))
-                single_lat, _ = _latencies(single, pod.url, singles)
+                proxy_port, pod_port = urlsplit(proxy.url).port, urlsplit(pod.url).port
+                burst, capture = _captured(lambda: asyncio.run(_burst(proxy.url, clients)))
+                wire, noticed, seen = _latencies(burst, pod.url, proxy_port, pod_port, capture)
+                single, capture = _captured(lambda: asyncio.run(_singles(proxy.url, singles)))
+                single_wire, single_noticed, _ = _latencies(single, pod.url, proxy_port, pod_port, capture)
                 time.sleep(1.0)
                 fds1, tasks1 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
             finally:
@@ -171,10 +203,15 @@ def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, 
         "target": target,
         "clients": 2 * clients,
         "aborts_seen": seen,
-        "burst_p50_ms": percentile(lat, 50),
-        "burst_p99_ms": percentile(lat, 99),
-        "single_p50_ms": percentile(single_lat, 50),
-        "single_p99_ms": percentile(single_lat, 99),
+        "wire_measured": len(wire),
+        "burst_p50_ms": percentile(wire, 50) if wire else None,
+        "burst_p99_ms": percentile(wire, 99) if wire else None,
+        "burst_noticed_p50_ms": percentile(noticed, 50),
+        "burst_noticed_p99_ms": percentile(noticed, 99),
+        "single_p50_ms": percentile(single_wire, 50) if single_wire else None,
+        "single_p99_ms": percentile(single_wire, 99) if single_wire else None,
+        "single_noticed_p50_ms": percentile(single_noticed, 50),
+        "single_noticed_p99_ms": percentile(single_noticed, 99),
         "fds_before": fds0,
         "fds_after": fds1,
         "tasks_before": tasks0,
@@ -188,17 +225,22 @@ def render(results: list[dict[str, Any]], command: str, pin: bool) -> str:
         f"Command: `{command}`  ",
         f"Machine: {machine_summary(pin)}",
         "",
-        "| target | clients that left | pod saw abort | burst close→abort p50 ms | p99 ms | single p50 ms "
-        "| single p99 ms | fds before → after | tasks before → after |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| target | clients that left | pod saw abort | burst close→abort p50 ms | p99 ms "
+        "| single p50 ms | single p99 ms | pod noticed: burst p50 / p99 ms | single p50 / p99 ms "
+        "| fds before → after | tasks before → after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         tasks = "—" if r["tasks_before"] is None else f"{r['tasks_before']} → {r['tasks_after']}"
         lines.append(
             f"| {r['target']} | {r['clients']} | {r['aborts_seen']} | {fmt(r['burst_p50_ms'])} | "
             f"{fmt(r['burst_p99_ms'])} | {fmt(r['single_p50_ms'])} | {fmt(r['single_p99_ms'])} | "
+            f"{fmt(r['burst_noticed_p50_ms'])} / {fmt(r['burst_noticed_p99_ms'])} | "
+            f"{fmt(r['single_noticed_p50_ms'])} / {fmt(r['single_noticed_p99_ms'])} | "
             f"{r['fds_before']} → {r['fds_after']} | {tasks} |"
         )
+    if any(r["burst_p50_ms"] is None for r in results):
+        lines += ["", "No packet capture here (it needs CAP_NET_RAW): only the pod's own view is shown."]
     return "\n".join(lines)
 
 

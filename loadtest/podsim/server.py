@@ -394,7 +394,7 @@ class Podsim:
         else:
             self.max_model_len = config.max_model_len
         self.stats = {model: ModelStats(model) for model in self.models}
-        self.abort_log: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
+        self.abort_log: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=100_000)
         self.sequences = SequenceCache()
         self.faults = config.faults
         self.in_flight = 0
@@ -484,7 +484,9 @@ class Podsim:
 
     async def aborts_handler(self, _request: web.Request) -> web.Response:
         """``GET /podsim/aborts``: request ids of aborted generations and when (time.monotonic())."""
-        return self._json({"aborts": [{"id": rid, "at": at} for rid, at in self.abort_log]})
+        return self._json(
+            {"aborts": [{"id": rid, "at": at, "peer_port": port} for rid, at, port in self.abort_log]}
+        )
 
     async def identity_handler(self, _request: web.Request) -> web.Response:
         """``GET /podsim/identity``: the MIG slice this pod pretends to run on."""
@@ -679,14 +681,18 @@ class Podsim:
             "prompt",
         )
 
-    def _abandoned(self, seq: Sequence, sink: _StreamSink | _PlainSink, request_id: str) -> None:
+    def _abandoned(
+        self, seq: Sequence, sink: _StreamSink | _PlainSink, request_id: str, peer: tuple[str, int] | None
+    ) -> None:
         """The handler was cancelled (the client went away, or a drop fault): abort and count."""
         active = self.engine.abort(seq)
         if (active or sink.client_gone or sink.stalled) and not sink.dropped:
             seq.stats.aborts += 1
             # CLOCK_MONOTONIC is machine-wide: benchmarks compare it with when their client left.
-            # Logged by the caller's X-Request-Id, without the chatcmpl-/cmpl- prefix.
-            self.abort_log.append((request_id.split("-", 1)[1], time.monotonic()))
+            # Logged by the caller's X-Request-Id, without the chatcmpl-/cmpl- prefix, with the
+            # caller's port (a benchmark can find that connection's FIN in a packet capture).
+            port = peer[1] if peer else 0
+            self.abort_log.append((request_id.split("-", 1)[1], time.monotonic(), port))
 
     async def _stream(
         self, request: web.Request, job: Job, faults: Faults, stats: ModelStats
@@ -698,6 +704,7 @@ class Podsim:
         transport = request.transport
         if transport is None or transport.is_closing():
             return response  # the client is already gone; nothing to generate for
+        peer = transport.get_extra_info("peername")
         done: asyncio.Future[str] = self.loop.create_future()
         sink = _StreamSink(self.engine, job, transport, faults, stats, done)
         seq = Sequence(
@@ -715,7 +722,7 @@ class Podsim:
         try:
             await done
         except asyncio.CancelledError:
-            self._abandoned(seq, sink, job.request_id)
+            self._abandoned(seq, sink, job.request_id, peer)
             raise
         return response
 
@@ -725,6 +732,7 @@ class Podsim:
         transport = request.transport
         if transport is None or transport.is_closing():
             return web.Response(status=499)  # client closed the request: never delivered
+        peer = transport.get_extra_info("peername")
         done: asyncio.Future[str] = self.loop.create_future()
         sink = _PlainSink(self.engine, transport, faults, stats, done)
         seq = Sequence(
@@ -743,7 +751,7 @@ class Podsim:
         try:
             outcome = await done
         except asyncio.CancelledError:
-            self._abandoned(seq, sink, job.request_id)
+            self._abandoned(seq, sink, job.request_id, peer)
             raise
         if outcome == "error":
             return ApiError(500, "Internal server error").response()

@@ -1,0 +1,151 @@
+"""The hang-up watcher's thread, over real loopback TCP, with no event loop running at all.
+
+Each test builds two connections: the gateway's side of a client connection (paired) and the
+gateway's side of a pod connection (the upstream). "The pod" is the far end of the second one; it
+sees EOF when the thread shuts the gateway's side down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from transports.hangups import HangupWatcher
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """(near, far): two ends of one loopback TCP connection."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        far = socket.create_connection(listener.getsockname())
+        near, _ = listener.accept()
+    return near, far
+
+
+@pytest.fixture
+def watcher() -> Iterator[HangupWatcher]:
+    w = HangupWatcher()
+    yield w
+    w.close()
+
+
+def pod_sees_eof(pod: socket.socket, timeout_s: float = 5.0) -> bool:
+    pod.settimeout(timeout_s)
+    try:
+        return pod.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def pod_still_open(pod: socket.socket) -> bool:
+    pod.setblocking(False)
+    try:
+        return pod.recv(1) != b""
+    except BlockingIOError:
+        return True
+
+
+def test_client_hanging_up_shuts_the_pod_socket_down(watcher: HangupWatcher) -> None:
+    gw_client, client = tcp_pair()
+    gw_pod, pod = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    watcher.set_upstream(pairing, gw_pod)
+    client.close()  # FIN; nothing else in this process reads gw_client
+    assert pod_sees_eof(pod)
+    assert watcher.shut_down == 1
+    watcher.unpair(pairing)
+    for s in (gw_client, gw_pod, pod):
+        s.close()
+
+
+def test_a_reset_counts_as_a_hang_up(watcher: HangupWatcher) -> None:
+    gw_client, client = tcp_pair()
+    gw_pod, pod = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    watcher.set_upstream(pairing, gw_pod)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    client.close()  # RST
+    assert pod_sees_eof(pod)
+    watcher.unpair(pairing)
+    for s in (gw_client, gw_pod, pod):
+        s.close()
+
+
+def test_an_unpaired_or_detached_pod_socket_is_left_alone(watcher: HangupWatcher) -> None:
+    """A pod connection handed back to the keep-alive pool must survive its old client leaving."""
+    sockets = []
+    left_alone = []
+    for detach in ("unpair", "set_upstream(None)"):
+        gw_client, client = tcp_pair()
+        gw_pod, pod = tcp_pair()
+        pairing = watcher.pair(gw_client)
+        assert pairing is not None
+        watcher.set_upstream(pairing, gw_pod)
+        if detach == "unpair":
+            watcher.unpair(pairing)
+        else:
+            watcher.set_upstream(pairing, None)
+        client.close()
+        left_alone.append(pod)
+        sockets += [gw_client, gw_pod, pod]
+    # A paired client that leaves after them: once its pod sees EOF, the thread has been through
+    # every earlier hang-up too.
+    gw_client, client = tcp_pair()
+    gw_pod, pod = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    watcher.set_upstream(pairing, gw_pod)
+    client.close()
+    assert pod_sees_eof(pod)
+    assert watcher.shut_down == 1
+    assert all(pod_still_open(p) for p in left_alone)
+    for s in [*sockets, gw_client, gw_pod, pod]:
+        s.close()
+
+
+def test_a_pod_socket_attached_after_the_client_left_is_shut_down_at_once(watcher: HangupWatcher) -> None:
+    gw_client, client = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    client.close()
+    # The client left while the gateway was still connecting to the pod. Wait until the thread
+    # has seen the hang-up, with a second pairing as the marker.
+    marker_client, marker = tcp_pair()
+    marker_gw_pod, marker_pod = tcp_pair()
+    mark = watcher.pair(marker_client)
+    assert mark is not None
+    watcher.set_upstream(mark, marker_gw_pod)
+    marker.close()
+    assert pod_sees_eof(marker_pod)
+    gw_pod, pod = tcp_pair()
+    watcher.set_upstream(pairing, gw_pod)
+    assert pod_sees_eof(pod)  # the thread will not fire again for it: set_upstream did this
+    for p in (pairing, mark):
+        watcher.unpair(p)
+    for s in (gw_client, gw_pod, pod, marker_client, marker_gw_pod, marker_pod):
+        s.close()
+
+
+def test_pairings_hold_no_descriptors_after_unpair_and_close() -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    watcher = HangupWatcher()
+    conns = [(tcp_pair(), tcp_pair()) for _ in range(20)]
+    pairings = []
+    for (gw_client, _), (gw_pod, _) in conns:
+        pairing = watcher.pair(gw_client)
+        assert pairing is not None
+        watcher.set_upstream(pairing, gw_pod)
+        pairings.append(pairing)
+    for pairing in pairings[:10]:
+        watcher.unpair(pairing)
+    assert watcher.pairs == 10
+    watcher.close()  # the other ten are released with it
+    for pair in conns:
+        for near_far in pair:
+            for s in near_far:
+                s.close()
+    assert len(os.listdir("/proc/self/fd")) == before

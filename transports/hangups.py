@@ -1,0 +1,142 @@
+"""Closing a pod connection the moment its client hangs up, even while the event loop is busy.
+
+The relay learns of a departure inside the event loop, and a loop that is admitting a thousand new
+requests runs hundreds of milliseconds of Python between two looks at its sockets: measured here,
+a burst of departures during such a storm reached the pods p99 60-150 ms late (nginx: 8 ms). This
+module keeps a thread blocked in ``epoll_wait`` on the clients' sockets; when one reports a hang-up
+(FIN or RST), the thread shuts the paired pod socket down at once, which is all a pod needs to abort
+the generation. The event loop still does every other part of the clean-up, in its own time.
+
+Thread safety rests on two rules. The thread only ever touches sockets this module owns: a ``dup``
+of the client's socket and of the pod's, so a descriptor number the event loop has closed and
+reused can never be hit by mistake. And every pairing change and every shutdown happens under one
+lock, so a pod connection that goes back to the keep-alive pool has been unpaired first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import threading
+from typing import Any
+
+# A peer's FIN is EPOLLRDHUP; a reset is EPOLLHUP or EPOLLERR, which epoll always reports. One
+# report per pairing is enough: EPOLLONESHOT disarms it after the first.
+_EVENTS = select.EPOLLRDHUP | select.EPOLLONESHOT
+
+
+class Pairing:
+    """A client socket and the pod socket currently serving it (descriptors we own: duplicates)."""
+
+    __slots__ = ("client", "fired", "upstream")
+
+    def __init__(self, client: int) -> None:
+        self.client = client
+        self.upstream = -1
+        self.fired = False
+
+
+def _dup(sock: Any) -> int:
+    """Our own descriptor for ``sock`` (a socket or uvloop's view of one), or -1 if it is closed.
+
+    ``os.dup`` on the number, not ``sock.dup()``: a socket object costs ~9 µs here, a bare
+    descriptor 0.5 µs, and this runs twice per request."""
+    try:
+        fd = sock.fileno()
+        return os.dup(fd) if fd >= 0 else -1
+    except OSError:
+        return -1
+
+
+def _shut_down(fd: int) -> bool:
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fileno=fd)  # borrowed, never closed here
+    try:
+        raw.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        raw.detach()
+
+
+class HangupWatcher:
+    """One thread for the whole process; pairings are made and dropped by the event loop."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._lock = threading.Lock()
+        self._pairs: dict[int, Pairing] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self.shut_down = 0  # pod sockets shut down by the thread (for tests and metrics)
+        self._thread = threading.Thread(target=self._run, name="sluicegate-hangups", daemon=True)
+        self._thread.start()
+
+    # -- event loop side ---------------------------------------------------------------------------
+
+    def pair(self, client: Any) -> Pairing | None:
+        """Watch ``client`` (a socket or uvloop's socket view); None if it is already closed."""
+        own = _dup(client)
+        if own < 0:
+            return None
+        pairing = Pairing(own)
+        with self._lock:
+            self._pairs[own] = pairing
+            self._epoll.register(own, _EVENTS)
+        return pairing
+
+    def set_upstream(self, pairing: Pairing, upstream: Any | None) -> None:
+        """Make ``upstream`` (or nothing) the pod socket to shut down when the client hangs up."""
+        own = _dup(upstream) if upstream is not None else -1
+        with self._lock:
+            old, pairing.upstream = pairing.upstream, own
+            if own >= 0 and pairing.fired:  # the client left while the pod was being reached
+                _shut_down(own)
+        if old >= 0:
+            os.close(old)
+
+    def unpair(self, pairing: Pairing) -> None:
+        with self._lock:
+            fd = pairing.client
+            if self._pairs.pop(fd, None) is pairing:
+                with contextlib.suppress(OSError):
+                    self._epoll.unregister(fd)
+            upstream, pairing.upstream = pairing.upstream, -1
+        os.close(fd)
+        if upstream >= 0:
+            os.close(upstream)
+
+    @property
+    def pairs(self) -> int:
+        return len(self._pairs)
+
+    def close(self) -> None:
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        with self._lock:
+            pairings, self._pairs = list(self._pairs.values()), {}
+        for pairing in pairings:
+            os.close(pairing.client)
+            if pairing.upstream >= 0:
+                os.close(pairing.upstream)
+        self._epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            events = self._epoll.poll()
+            with self._lock:
+                for fd, _mask in events:
+                    if fd == self._wake_r:
+                        return
+                    pairing = self._pairs.get(fd)
+                    if pairing is None or pairing.fired:
+                        continue
+                    pairing.fired = True
+                    if pairing.upstream >= 0 and _shut_down(pairing.upstream):
+                        self.shut_down += 1
