@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -115,3 +117,83 @@ def test_per_model_override(strict: str) -> None:
 def test_bad_client_deadline_is_a_400(strict: str) -> None:
     resp = _post(strict, CHAT, **{"x-request-timeout-ms": "soon"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_timeout"
+
+
+class BlackHolePod:
+    """A pod that answers the gateway's first probe, then stops accepting connections with its
+    backlog full: from then on a connect attempt's SYN goes unanswered, as behind a dead node."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=1)
+        self.port = self.listener.getsockname()[1]
+        self.probed = threading.Event()
+        self.fillers: list[socket.socket] = []
+        threading.Thread(target=self._answer_one_probe, daemon=True).start()
+
+    def _answer_one_probe(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            body = json.dumps({"object": "list", "data": [{"id": "llama-8b", "object": "model"}]}).encode()
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%b" % (len(body), body)
+            )
+        self.probed.set()
+
+    def stop_accepting(self) -> None:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", self.port))
+            self.fillers.append(filler)
+
+    def close(self) -> None:
+        for sock in (*self.fillers, self.listener):
+            sock.close()
+
+
+def test_connect_timeout_is_a_504_naming_the_stage() -> None:
+    hole = BlackHolePod()
+    config = {
+        "server": {"host": "127.0.0.1"},
+        "timeouts": {"connect_s": 0.3},
+        "pods": [{"name": "hole", "url": f"http://127.0.0.1:{hole.port}"}],
+    }
+    try:
+        with GatewayProcess(config) as gw:
+            assert hole.probed.wait(10)  # discovery saw it serving llama-8b
+            hole.stop_accepting()
+            before = _timeouts(gw.url).get("connect", 0)
+            _timeout_error(_post(gw.url, {**CHAT, "stream": True}), "connect")
+            assert _timeouts(gw.url).get("connect", 0) == before + 1
+            assert gateway_in_flight(gw.url) == 0
+    finally:
+        hole.close()
+
+
+def test_a_connect_timeout_is_retried_on_another_pod(fleet: Fleet) -> None:
+    hole = BlackHolePod()
+    config = {
+        "server": {"host": "127.0.0.1"},
+        "timeouts": {"connect_s": 0.3},
+        "pods": [
+            {"name": "hole", "url": f"http://127.0.0.1:{hole.port}"},
+            {"name": "pod-a", "url": fleet.pod_a.url},
+        ],
+    }
+    try:
+        with GatewayProcess(config) as gw:
+            assert hole.probed.wait(10)
+            hole.stop_accepting()
+            # Picks rotate between the two pods; by the second request the hole has been tried.
+            for _ in range(2):
+                resp = _post(gw.url, {**CHAT, "stream": True})
+                assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
+            text = httpx.get(gw.url + "/metrics").text
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            family = families["sluicegate_upstream_attempts"]
+            outcomes = {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+            assert outcomes.get("connect_timeout") == 1 and outcomes.get("ok") == 2
+    finally:
+        hole.close()
