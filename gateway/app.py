@@ -26,6 +26,7 @@ from gateway.config import Config
 from gateway.errors import error_body
 from gateway.metrics import GatewayMetrics
 from gateway.pods.discovery import discovery_loop, refresh_all
+from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
 from transports.hangups import HangupWatcher
@@ -41,7 +42,8 @@ class Gateway:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.registry = PodRegistry(config.pods)
+        self.registry = PodRegistry(config.pods, config.health, self.metrics)
+        self.monitor = PodMonitor(self.registry, self.session, config.health)
         self._session: aiohttp.ClientSession | None = None
         self._pod_client: PodClient | None = None
         self.relay = Relay(config, self.registry, self.metrics, self.pod_client)
@@ -57,6 +59,7 @@ class Gateway:
                 Route("/readyz", self.readyz, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/admin/pods", self.admin_pods, methods=["GET"]),
+                Route("/admin/pods/{name}/clear", self.clear_pod, methods=["POST"]),
             ],
             exception_handlers={HTTPException: _http_error},
             lifespan=self._lifespan,
@@ -91,15 +94,20 @@ class Gateway:
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.
         await refresh_all(self.registry, self._session, discovery, self.metrics)
-        loop_task = asyncio.create_task(
-            discovery_loop(self.registry, self.session, discovery, self.metrics), name="discovery"
-        )
+        loops = [
+            asyncio.create_task(
+                discovery_loop(self.registry, self.session, discovery, self.metrics), name="discovery"
+            ),
+            asyncio.create_task(self.monitor.run(), name="pod-monitor"),
+        ]
         try:
             yield
         finally:
-            loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop_task
+            for task in loops:
+                task.cancel()
+            for task in loops:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self._session.close()
             await self._pod_client.close()
             self.relay.hangups.close()
@@ -139,7 +147,21 @@ class Gateway:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def admin_pods(self, _request: Request) -> Response:
-        return JSONResponse({"pods": self.registry.snapshot()})
+        return JSONResponse(
+            {"pods": self.registry.snapshot(), "failing_open": sorted(self.registry.failing_open)}
+        )
+
+    async def clear_pod(self, request: Request) -> Response:
+        """An operator checked the pod's GPU slice: forget its device fault (probes still decide)."""
+        pod = self.registry.get(request.path_params["name"])
+        if pod is None:
+            return Response(
+                error_body("No such pod.", "invalid_request_error", "pod_not_found"),
+                404,
+                media_type="application/json",
+            )
+        self.monitor.clear(pod)
+        return JSONResponse(pod.snapshot())
 
 
 async def _http_error(_request: Request, exc: Any) -> Response:

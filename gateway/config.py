@@ -8,11 +8,11 @@ a traceback.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -25,6 +25,7 @@ class MigIdentity(_Frozen):
     gpu_uuid: str = Field(pattern=r"^GPU-")
     mig_uuid: str | None = Field(default=None, pattern=r"^MIG-")
     profile: str | None = Field(default=None, pattern=r"^\d+g\.\d+gb(\+\w+)?$")
+    gpu_instance_id: int | None = Field(default=None, ge=0, description="DCGM's GPU_I_ID (NVML's GI id)")
 
 
 class PodConfig(_Frozen):
@@ -86,11 +87,87 @@ class TimeoutsConfig(_Frozen):
     models: dict[str, StageOverrides] = Field(default_factory=dict)
 
 
+Criticality = Literal["critical", "standard", "sheddable"]
+
+
 class TierConfig(_Frozen):
     """A class of callers (chosen by API key or a trusted header) with its own timeouts."""
 
     api_keys: tuple[str, ...] = ()
     timeouts: StageOverrides = StageOverrides()
+    criticality: Criticality = "standard"
+
+
+class ProbeConfig(_Frozen):
+    """Active ``GET /health`` probes, with hysteresis."""
+
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    unhealthy_after: int = Field(default=3, ge=1, description="consecutive failures")
+    healthy_after: int = Field(default=2, ge=1, description="consecutive successes to come back")
+
+
+class ScrapeConfig(_Frozen):
+    """Scrapes of each pod's own ``/metrics`` (vLLM names: KV-cache usage, running, waiting)."""
+
+    interval_s: float = Field(default=1.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    stale_after_s: float = Field(default=5.0, gt=0, description="older data counts as saturated")
+
+
+class PressureConfig(_Frozen):
+    """The GPU-pressure breaker: open at the high marks, closed again under the low ones."""
+
+    kv_high: float = Field(default=0.92, gt=0, le=1)
+    kv_low: float = Field(default=0.85, gt=0, le=1)
+    waiting_high: float = Field(default=32, gt=0)
+    waiting_low: float = Field(default=16, ge=0)
+    sheddable_kv: float = Field(default=0.80, gt=0, le=1, description="sheddable traffic stops here")
+    sheddable_waiting: float = Field(default=8, gt=0)
+
+    @model_validator(mode="after")
+    def _low_under_high(self) -> PressureConfig:
+        if self.kv_low > self.kv_high or self.waiting_low > self.waiting_high:
+            raise ValueError("the low marks (kv_low, waiting_low) must not be above the high ones")
+        return self
+
+
+class OutlierConfig(_Frozen):
+    """Envoy-style outlier ejection on consecutive gateway-visible failures."""
+
+    consecutive_failures: int = Field(default=5, ge=1)
+    base_ejection_s: float = Field(default=30.0, gt=0)
+    max_ejection_s: float = Field(default=300.0, gt=0)
+    max_ejection_percent: float = Field(default=50.0, ge=0, le=100)
+
+
+class DeviceHealthConfig(_Frozen):
+    """GPU and MIG-slice health sources besides the pods themselves."""
+
+    dcgm_urls: tuple[str, ...] = Field(default=(), description="dcgm-exporter /metrics URLs")
+    agent_urls: tuple[str, ...] = Field(default=(), description="sluicegate mig-agent base URLs")
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    max_temp_c: float = Field(default=90.0, gt=0)
+    quarantine_s: float | None = Field(
+        default=None, gt=0, description="after this, clean probes may clear a device fault; None: never"
+    )
+
+
+class HealthConfig(_Frozen):
+    probe: ProbeConfig = ProbeConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    pressure: PressureConfig = PressureConfig()
+    outlier: OutlierConfig = OutlierConfig()
+    devices: DeviceHealthConfig = DeviceHealthConfig()
+
+
+class SheddingConfig(_Frozen):
+    """Who is turned away first when pods are saturated."""
+
+    criticality_header: str = Field(default="x-sluicegate-criticality", pattern=r"^[a-z0-9-]+$")
+    default_criticality: Criticality = "standard"
+    retry_after_max_s: int = Field(default=30, ge=1)
 
 
 class RetryConfig(_Frozen):
@@ -129,6 +206,8 @@ class Config(_Frozen):
     retries: RetryConfig = RetryConfig()
     resume: ResumeConfig = ResumeConfig()
     tiers: dict[str, TierConfig] = Field(default_factory=dict)
+    health: HealthConfig = HealthConfig()
+    shedding: SheddingConfig = SheddingConfig()
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
 

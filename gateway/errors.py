@@ -75,5 +75,16 @@ def no_capacity(model: str, retry_after_s: int = 1) -> GatewayError:
     )
 
 
+def overloaded(model: str, reason: str, retry_after_s: int) -> GatewayError:
+    """Every pod of the model is saturated (or ejected): come back later, do not queue here."""
+    return GatewayError(
+        429,
+        f"Every pod serving '{model}' is at capacity right now; retry after {retry_after_s} s.",
+        "rate_limit_exceeded",
+        reason,
+        headers=(("retry-after", str(retry_after_s)),),
+    )
+
+
 def upstream_failed(pod: str, detail: str, status: int = 502) -> GatewayError:
     return GatewayError(status, f"Upstream pod '{pod}' failed: {detail}", "upstream_error", "bad_gateway")

@@ -116,6 +116,49 @@ class GatewayMetrics:
             registry=registry,
         )
 
+        self.pod_state = Gauge(
+            "sluicegate_pod_state",
+            "1 for the pod's current health state (healthy, degraded, unhealthy, draining), else 0.",
+            ["pod", "state"],
+            registry=registry,
+        )
+        self.pod_breaker = Gauge(
+            "sluicegate_pod_breaker",
+            "1 for the pod's current breaker state (closed, open, half_open), by cause (pressure, outlier).",
+            ["pod", "cause", "state"],
+            registry=registry,
+        )
+        self.pod_transitions = Counter(
+            "sluicegate_pod_transitions_total",
+            "Changes of a pod's health or breaker state.",
+            ["pod", "kind", "to"],
+            registry=registry,
+        )
+        self.pod_kv_cache_usage = Gauge(
+            "sluicegate_pod_kv_cache_usage",
+            "KV-cache usage the pod reported at its last scrape (0..1).",
+            ["pod"],
+            registry=registry,
+        )
+        self.pod_waiting = Gauge(
+            "sluicegate_pod_waiting_requests",
+            "Requests waiting in the pod's queue at its last scrape.",
+            ["pod"],
+            registry=registry,
+        )
+        self.shed = Counter(
+            "sluicegate_shed_total",
+            "Requests answered 429 or 503 because no pod could take them, by criticality and reason.",
+            ["model", "criticality", "reason"],
+            registry=registry,
+        )
+        self.fail_open = Gauge(
+            "sluicegate_fail_open",
+            "1 while every pod of the model has stale metrics and routing ignores pressure.",
+            ["model"],
+            registry=registry,
+        )
+
     def watch_runtime(self, tasks: Callable[[], int], upstream_connections: Callable[[], int]) -> None:
         """Gauges read at scrape time, so a leak of tasks or pod connections shows on a graph."""
         Gauge(

@@ -24,7 +24,7 @@ from typing import Any
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
 from gateway.config import Config
 from gateway.deadlines import Budget, TimeoutPolicy, timed_out
-from gateway.errors import GatewayError, model_not_found, no_capacity, upstream_failed
+from gateway.errors import GatewayError, model_not_found, no_capacity, overloaded, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
@@ -53,6 +53,8 @@ log = logging.getLogger("sluicegate.relay")
 ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _JSON = b"application/json"
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+
+_CRITICALITY_RANK = {"sheddable": 0, "standard": 1, "critical": 2}
 
 # Not forwarded to pods: hop-by-hop headers, ones the upstream client sets itself, and the
 # client's credentials for the gateway (pods are reached with the gateway's own identity).
@@ -163,6 +165,7 @@ class Exchange:
         "attempts",
         "budget",
         "chunks",
+        "criticality",
         "cut",
         "deadline",
         "detail",
@@ -193,6 +196,7 @@ class Exchange:
         self.t0 = asyncio.get_running_loop().time()  # deadlines are on the loop's clock
         self.budget: Budget | None = None
         self.tier: str | None = None
+        self.criticality = "standard"
         self.deadline = self.first_token_at = 0.0
         self.req: InferenceRequest | None = None
         self.model_label = "unknown"  # a metric label: only models some pod serves
@@ -245,7 +249,15 @@ class Relay:
         self._active: dict[Exchange, asyncio.Task[Any]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._in_flight_gauges = {p.name: metrics.in_flight.labels(p.name) for p in registry.pods}
+        self._in_flight_gauges: dict[str, Any] = {}  # per pod, filled as pods appear
+        self._criticality_header = config.shedding.criticality_header.encode()
+        self._default_criticality = config.shedding.default_criticality
+
+    def _gauge(self, pod: Pod) -> Any:
+        gauge = self._in_flight_gauges.get(pod.name)
+        if gauge is None:
+            gauge = self._in_flight_gauges[pod.name] = self.metrics.in_flight.labels(pod.name)
+        return gauge
 
     @property
     def in_flight(self) -> int:
@@ -294,8 +306,9 @@ class Relay:
                     headers=(("allow", "POST"),),
                 )
             req = await self._admit(ex, receive, headers, route)
-            pod = self._pick(ex, req)
             ex.tier = self.timeouts.tier_of(headers)
+            ex.criticality = self._criticality(ex.tier, headers)
+            pod = self._pick(ex, req)
             ex.set_budget(self.timeouts.budget(req.model, ex.tier, headers))
             await self._serve(ex, req, pod, headers, receive)
         except GatewayError as err:
@@ -329,13 +342,28 @@ class Relay:
         ex.req = req = parse_request(route, body)
         return req
 
+    def _criticality(self, tier: str | None, headers: list[tuple[bytes, bytes]]) -> str:
+        """The tier's criticality (else the default); a client's header may lower it, never raise it."""
+        granted = self.config.tiers[tier].criticality if tier is not None else self._default_criticality
+        for name, value in headers:
+            if name == self._criticality_header:
+                asked = value.decode("latin-1").strip().lower()
+                if asked in _CRITICALITY_RANK and _CRITICALITY_RANK[asked] < _CRITICALITY_RANK[granted]:
+                    return asked
+        return granted
+
     def _pick(self, ex: Exchange, req: InferenceRequest) -> Pod:
         if not self.registry.knows(req.model):
             raise model_not_found(req.model)
         ex.model_label = req.model
-        pod = self.registry.pick(req.model)
+        pod = self.registry.pick(req.model, criticality=ex.criticality)
         if pod is None:
-            raise no_capacity(req.model)
+            status, reason, retry_after = self.registry.shed_reason(req.model, ex.criticality)
+            retry_after = min(retry_after, self.config.shedding.retry_after_max_s)
+            self.metrics.shed.labels(req.model, ex.criticality, reason).inc()
+            if status == 429:
+                raise overloaded(req.model, reason, retry_after)
+            raise no_capacity(req.model, retry_after)
         ex.pod = pod
         return pod
 
@@ -390,7 +418,7 @@ class Relay:
             for held_pod, held_resp in ex.held:
                 held_resp.release()
                 held_pod.in_flight -= 1
-                self._in_flight_gauges[held_pod.name].dec()
+                self._gauge(held_pod).dec()
 
     def _retry_pod(self, ex: Exchange, req: InferenceRequest, tried: list[Pod], failure: Retryable) -> Pod:
         """Another pod for a retry, or the failure's own error when a retry is not allowed."""
@@ -410,11 +438,12 @@ class Relay:
     ) -> None:
         """One pod: connect, await the first token, relay. Raises ``Retryable`` before the first byte."""
         pod.in_flight += 1
-        gauge = self._in_flight_gauges[pod.name]
+        gauge = self._gauge(pod)
         gauge.inc()
         resp: PodResponse | None = None
         now = asyncio.get_running_loop().time()
         first_token_at = ex.first_token_at if len(ex.attempts) == 0 else now + ex.budget.first_token_s  # type: ignore[union-attr]
+        reported = False  # the outlier breaker hears of every attempt that says something about the pod
         try:
             # connect and await the first token (streaming) or the answer's first byte, in time
             head = b""
@@ -436,11 +465,24 @@ class Relay:
                 if first_token_at < ex.deadline:
                     raise Retryable(self._timeout(ex, "first_token"), "first_token_timeout") from None
                 raise self._timeout(ex, "total") from None
+            self.registry.report_success(pod)
+            reported = True
             if streaming:
                 await self._relay_stream(ex, pod, resp, content_type, head)
             else:
                 await self._relay_whole(ex, pod, resp, content_type)
+        except Retryable as failure:
+            self.registry.report_failure(pod, failure.outcome)
+            reported = True
+            raise
+        except GatewayError as err:
+            if not reported and err.status >= 500:  # the pod's 5xx or a gateway timeout; never a 4xx
+                self.registry.report_failure(pod, str(err.code or err.type))
+                reported = True
+            raise
         finally:
+            if not reported:
+                pod.outlier.trial_out = False  # a client that left says nothing about the pod
             if resp is not None:
                 # A fully read answer hands its connection back to the pool; anything else closes
                 # it, which is how the pod learns to abort the generation.
@@ -603,9 +645,11 @@ class Relay:
             resp.close()
             return self._timeout(ex, "total"), False
         except PodStalledError:
+            self.registry.report_failure(pod, "stalled mid-stream")
             return self._timeout(ex, "stall"), True
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+            self.registry.report_failure(pod, "broke mid-stream")
             ex.detail = "upstream_broke_mid_stream"
             return upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)})."), True
         finally:
@@ -614,7 +658,7 @@ class Relay:
     def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
         """Count a continuation pod as busy until the request ends."""
         pod.in_flight += 1
-        self._in_flight_gauges[pod.name].inc()
+        self._gauge(pod).inc()
         ex.held.append((pod, resp))
 
     async def _resume(

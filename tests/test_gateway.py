@@ -249,8 +249,11 @@ def test_health_readiness_and_admin_pods(fleet: Fleet) -> None:
         "gpu_uuid": pods["pod-a"]["mig"]["gpu_uuid"],
         "mig_uuid": MIG_A,
         "profile": "1g.10gb",
+        "gpu_instance_id": None,
     }
     assert pods["pod-a"]["labels"] == {"variant": "stable"}
+    assert pods["pod-a"]["state"]["health"] in ("healthy", "degraded")
+    assert pods["pod-a"]["state"]["breaker"]["outlier"] in ("closed", "open", "half_open")
     assert pods["pod-b"]["models_source"] == "discovered"
     assert set(pods["pod-b"]["models"]) == {"llama-8b", "qwen-0.5b"}
     assert pods["pod-dead"]["state"]["reachable"] is False

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.conftest import wait_for
 
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
 FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]
@@ -90,6 +91,9 @@ def test_a_pod_that_went_away_is_retried_by_connect_error(pair: Pair) -> None:
             ],
         }
         with GatewayProcess(config) as gw:
+            # Once both pods' metrics are in, both are candidates; a pod never scraped counts as full.
+            admin = gw.url + "/admin/pods"
+            assert wait_for(lambda: all(p["state"]["load"]["fresh"] for p in httpx.get(admin).json()["pods"]))
             doomed.stop()
             for _ in range(3):
                 resp = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)

@@ -177,6 +177,9 @@ def test_a_connect_timeout_is_retried_on_another_pod(fleet: Fleet) -> None:
     config = {
         "server": {"host": "127.0.0.1"},
         "timeouts": {"connect_s": 0.3},
+        # Metrics count as stale at once and probes wait an hour: otherwise the hole's silence
+        # would mark it saturated or unhealthy, and picks (by in-flight count) would never reach it.
+        "health": {"scrape": {"stale_after_s": 0.001}, "probe": {"interval_s": 3600}},
         "pods": [
             {"name": "hole", "url": f"http://127.0.0.1:{hole.port}"},
             {"name": "pod-a", "url": fleet.pod_a.url},

@@ -1,38 +1,54 @@
 """The pod registry: every pod's identity and live state, in one place.
 
-Background loops (discovery now; health, pressure and breakers later) write it; the request path
-only reads it to pick a pod and reports in-flight counts back. No other module keeps a pod list.
+Background loops (discovery, probes, scrapes, device health) write it; the request path only reads
+it to pick a pod, and reports each attempt's outcome back (the outlier breaker learns there). No
+other module keeps a pod list.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import random
 import time
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.config import PodConfig
+from gateway.config import HealthConfig, PodConfig
+from gateway.metrics import GatewayMetrics
+from gateway.pods.state import CLOSED, HALF_OPEN, OPEN, HealthState, Load, OutlierDetector, PressureBreaker
 
+log = logging.getLogger("sluicegate.pods")
+
+# Load score weights: KV-cache usage (0..1) and the waiting queue relative to its high mark dominate;
+# this gateway's own in-flight count breaks ties and covers the time between two scrapes.
+_IN_FLIGHT_WEIGHT = 0.02
 
 class Pod:
     """One pod: what it is (from config) and how it is doing now (mutated on the event loop)."""
 
     __slots__ = (
         "config",
+        "health",
         "host",
         "in_flight",
         "last_error",
         "last_probe",
+        "load",
         "models",
         "name",
+        "outlier",
         "port",
+        "pressure",
         "reachable",
         "tls",
         "url",
+        "waiting_high",
     )
 
-    def __init__(self, config: PodConfig) -> None:
+    def __init__(self, config: PodConfig, health: HealthConfig | None = None) -> None:
+        health = health or HealthConfig()
         self.config = config
         self.name = config.name
         self.url = config.url
@@ -47,13 +63,34 @@ class Pod:
         self.in_flight = 0
         self.last_error: str | None = None
         self.last_probe: float | None = None
+        self.health = HealthState(health.probe)
+        self.pressure = PressureBreaker(health.pressure)
+        self.outlier = OutlierDetector(health.outlier)
+        self.load = Load()
+        self.waiting_high = health.pressure.waiting_high
 
     @property
     def routable(self) -> bool:
-        return self.reachable and bool(self.models)
+        """Healthy enough for traffic (pressure and ejections aside)."""
+        return self.reachable and bool(self.models) and self.health.routable
 
-    def snapshot(self) -> dict[str, Any]:
+    def fresh(self, now: float, stale_after_s: float) -> bool:
+        return self.load.scraped_at is not None and now - self.load.scraped_at <= stale_after_s
+
+    def score(self) -> float:
+        """Lower is better: how full the pod's GPU is, by its own metrics and our in-flight count."""
+        load = self.load
+        score = _IN_FLIGHT_WEIGHT * self.in_flight
+        if load.kv_cache_usage is not None:
+            score += load.kv_cache_usage
+        if load.waiting is not None:
+            score += load.waiting / self.waiting_high
+        return score
+
+    def snapshot(self, now: float | None = None, stale_after_s: float = 5.0) -> dict[str, Any]:
         mig = self.config.mig
+        now = time.monotonic() if now is None else now
+        load = self.load
         return {
             "name": self.name,
             "url": self.url,
@@ -64,6 +101,23 @@ class Pod:
             "state": {
                 "reachable": self.reachable,
                 "routable": self.routable,
+                "health": self.health.state,
+                "health_reason": self.health.reason,
+                "device_fault": self.health.device_fault,
+                "breaker": {
+                    "pressure": OPEN if self.pressure.open else CLOSED,
+                    "pressure_reason": self.pressure.reason or None,
+                    "outlier": self.outlier.state,
+                    "outlier_reason": self.outlier.reason or None,
+                    "ejections": self.outlier.ejections,
+                },
+                "load": {
+                    "kv_cache_usage": load.kv_cache_usage,
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "fresh": self.fresh(now, stale_after_s),
+                    "age_s": None if load.scraped_at is None else round(now - load.scraped_at, 3),
+                },
                 "in_flight": self.in_flight,
                 "last_error": self.last_error,
                 "last_probe_age_s": None
@@ -76,11 +130,21 @@ class Pod:
 class PodRegistry:
     """Holds the pods and answers "which pod should take this model's next request?"."""
 
-    def __init__(self, pods: Iterable[PodConfig]) -> None:
-        self.pods: tuple[Pod, ...] = tuple(Pod(p) for p in pods)
+    def __init__(
+        self,
+        pods: Iterable[PodConfig],
+        health: HealthConfig | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.health_config = health or HealthConfig()
+        self.metrics = metrics
+        self.pods: tuple[Pod, ...] = tuple(Pod(p, self.health_config) for p in pods)
         self._by_model: dict[str, tuple[Pod, ...]] = {}
         self._tiebreak = itertools.count()
+        self.failing_open: set[str] = set()  # models routed without pressure data (all stale)
         self.reindex()
+        for pod in self.pods:
+            self._publish(pod)
 
     def reindex(self) -> None:
         """Rebuild the model → pods index; call after any pod's models change."""
@@ -89,6 +153,25 @@ class PodRegistry:
             for model in pod.models:
                 index.setdefault(model, []).append(pod)
         self._by_model = {model: tuple(pods) for model, pods in index.items()}
+
+    def sync(self, configs: Iterable[PodConfig]) -> None:
+        """Make the pod set match ``configs`` (from Kubernetes or DNS); pods that stay keep their state."""
+        by_name = {pod.name: pod for pod in self.pods}
+        pods = []
+        for config in configs:
+            pod = by_name.get(config.name)
+            if pod is None or pod.config.url != config.url:
+                pod = Pod(config, self.health_config)
+                log.info("pod %s added at %s", pod.name, pod.url)
+            else:
+                pod.config = config
+                if config.models:
+                    pod.models = frozenset(config.models)
+            pods.append(pod)
+        for gone in set(by_name) - {p.name for p in pods}:
+            log.info("pod %s removed", gone)
+        self.pods = tuple(pods)
+        self.reindex()
 
     def knows(self, model: str) -> bool:
         return model in self._by_model
@@ -100,23 +183,147 @@ class PodRegistry:
     def routable_models(self) -> list[str]:
         return sorted(m for m, pods in self._by_model.items() if any(p.routable for p in pods))
 
-    def pick(self, model: str, exclude: tuple[Pod, ...] = ()) -> Pod | None:
-        """The routable pod serving ``model`` with the fewest requests in flight.
+    def pick(
+        self,
+        model: str,
+        exclude: tuple[Pod, ...] = (),
+        criticality: str = "standard",
+        now: float | None = None,
+    ) -> Pod | None:
+        """The best pod for ``model``'s next request, or None when none can take it.
 
-        Ties rotate, so an idle fleet still spreads requests instead of piling onto the first pod.
+        A pod qualifies when it is healthy (or degraded), its outlier breaker admits a request (a
+        half-open one admits a single trial), and its GPU is not under pressure: critical requests
+        ignore the pressure breaker, sheddable ones stop at lower marks. A pod whose metrics are
+        stale counts as saturated, unless every pod of the model is stale: then routing fails open
+        on in-flight counts rather than refusing everything. Among the qualified, the better of two
+        (power of two choices), so that many gateway replicas do not herd onto one pod; ties rotate.
         ``exclude`` holds pods this request already tried.
         """
         candidates = self._by_model.get(model)
         if not candidates:
             return None
-        n = len(candidates)
-        offset = next(self._tiebreak) % n
-        best: Pod | None = None
-        for i in range(n):
-            pod = candidates[(offset + i) % n]
-            if pod.reachable and pod not in exclude and (best is None or pod.in_flight < best.in_flight):
-                best = pod
-        return best
+        now = time.monotonic() if now is None else now
+        stale_after = self.health_config.scrape.stale_after_s
+        usable = [p for p in candidates if p.routable and p not in exclude and p.outlier.admits()]
+        if not usable:
+            return None
+        fresh = [p for p in usable if p.fresh(now, stale_after)]
+        if fresh:
+            self._set_fail_open(model, False)
+            if criticality != "critical":
+                fresh = [p for p in fresh if not p.pressure.open]
+                if criticality == "sheddable":
+                    fresh = [p for p in fresh if p.pressure.admits_sheddable(p.load)]
+            usable = fresh
+        elif all(not p.fresh(now, stale_after) for p in candidates if p.routable):
+            self._set_fail_open(model, True)
+        else:
+            usable = []
+        if not usable:
+            return None
+        pod = self._better_of_two(usable)
+        if pod.outlier.state == HALF_OPEN:
+            pod.outlier.trial_out = True
+        return pod
+
+    def _better_of_two(self, pods: list[Pod]) -> Pod:
+        n = len(pods)
+        if n == 1:
+            return pods[0]
+        if n == 2:
+            first = next(self._tiebreak) % 2
+            a, b = pods[first], pods[1 - first]
+        else:
+            a, b = random.sample(pods, 2)
+        return b if b.score() < a.score() else a
+
+    def _set_fail_open(self, model: str, failing: bool) -> None:
+        if failing == (model in self.failing_open):
+            return
+        if failing:
+            self.failing_open.add(model)
+            log.warning("no fresh metrics from any pod of %s: routing on in-flight counts alone", model)
+        else:
+            self.failing_open.discard(model)
+            log.info("fresh metrics again for %s: pressure-aware routing resumed", model)
+        if self.metrics is not None:
+            self.metrics.fail_open.labels(model).set(1 if failing else 0)
+
+    def shed_reason(self, model: str, criticality: str, now: float | None = None) -> tuple[int, str, int]:
+        """Why ``pick`` found nothing: (status, reason, Retry-After seconds).
+
+        429 when pods are healthy but full or ejected (capacity comes back by itself), 503 when no
+        pod of the model is healthy at all.
+        """
+        now = time.monotonic() if now is None else now
+        pods = [p for p in self._by_model.get(model, ()) if p.routable]
+        if not pods:
+            return 503, "no_healthy_pod", 5
+        waits = []
+        for pod in pods:
+            if pod.outlier.state == OPEN:
+                waits.append(max(1.0, pod.outlier.ejected_until - now))
+            load = pod.load
+            if load.waiting and load.drain_per_s:
+                waits.append(load.waiting / load.drain_per_s)
+        reason = "pressure" if any(p.pressure.open for p in pods) else "ejected"
+        if criticality == "sheddable" and not any(p.pressure.open for p in pods):
+            reason = "sheddable_pressure"
+        retry = min(waits) if waits else 1.0
+        return 429, reason, max(1, round(retry))
+
+    # -- what the request path reports back ------------------------------------------------------
+
+    def report_success(self, pod: Pod) -> None:
+        if pod.outlier.success() is not None:
+            self._transition(pod, "outlier", CLOSED, "a request succeeded")
+
+    def report_failure(self, pod: Pod, what: str, now: float | None = None) -> None:
+        """A gateway-visible failure: connect error, reset, 5xx or a gateway timeout."""
+        now = time.monotonic() if now is None else now
+        ejected = sum(p.outlier.state != CLOSED for p in self.pods)
+        may_eject = ejected * 100.0 < self.health_config.outlier.max_ejection_percent * len(self.pods)
+        if pod.outlier.failure(what, now, may_eject) == OPEN:
+            self._transition(pod, "outlier", OPEN, pod.outlier.reason)
+
+    # -- what the monitor reports ------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Let ejections that have run their time go half-open."""
+        for pod in self.pods:
+            if pod.outlier.tick(now) is not None:
+                self._transition(pod, "outlier", HALF_OPEN, pod.outlier.reason)
+
+    def health_changed(self, pod: Pod, new_state: str | None) -> None:
+        if new_state is not None:
+            self._transition(pod, "health", new_state, pod.health.reason)
+
+    def load_changed(self, pod: Pod, opened: bool | None) -> None:
+        if self.metrics is not None:
+            if pod.load.kv_cache_usage is not None:
+                self.metrics.pod_kv_cache_usage.labels(pod.name).set(pod.load.kv_cache_usage)
+            if pod.load.waiting is not None:
+                self.metrics.pod_waiting.labels(pod.name).set(pod.load.waiting)
+        if opened is not None:
+            why = pod.pressure.reason or "pressure eased"
+            self._transition(pod, "pressure", OPEN if opened else CLOSED, why)
+
+    def _transition(self, pod: Pod, kind: str, to: str, why: str) -> None:
+        log.warning("pod %s: %s -> %s (%s)", pod.name, kind, to, why)
+        if self.metrics is not None:
+            self.metrics.pod_transitions.labels(pod.name, kind, to).inc()
+        self._publish(pod)
+
+    def _publish(self, pod: Pod) -> None:
+        if self.metrics is None:
+            return
+        for state in ("healthy", "degraded", "unhealthy", "draining"):
+            self.metrics.pod_state.labels(pod.name, state).set(1 if pod.health.state == state else 0)
+        pressure = OPEN if pod.pressure.open else CLOSED
+        for cause, current in (("pressure", pressure), ("outlier", pod.outlier.state)):
+            for state in (CLOSED, OPEN, HALF_OPEN):
+                self.metrics.pod_breaker.labels(pod.name, cause, state).set(1 if current == state else 0)
 
     def get(self, name: str) -> Pod | None:
         for pod in self.pods:
@@ -128,4 +335,6 @@ class PodRegistry:
         return any(pod.routable for pod in self.pods)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [pod.snapshot() for pod in self.pods]
+        now = time.monotonic()
+        stale = self.health_config.scrape.stale_after_s
+        return [pod.snapshot(now, stale) for pod in self.pods]

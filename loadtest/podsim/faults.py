@@ -14,10 +14,14 @@ knob                       effect on a generation request
 ``status=CODE``            answer CODE (400..599) with a vLLM error body; 503 adds Retry-After
 ``refuse=1``               reset the connection without answering
 ``unhealthy=1``            ``/health`` and ``/ping`` answer 503 (useful as a process fault)
+``kv_usage=F``             ``/metrics`` reports KV-cache usage F (0..1) instead of the engine's
+``waiting=N``              ``/metrics`` reports N waiting requests instead of the engine's
 =========================  ======================================================================
 
 "After N tokens" counts content tokens already sent; a fault whose N is not reached before
-the answer ends never fires. Admin endpoints and ``/metrics`` are never subject to faults.
+the answer ends never fires. ``kv_usage`` and ``waiting`` act only as process faults (set with
+``--fault`` or ``/admin/faults``): they let a test push a gateway's pressure breaker without
+filling a real cache. Admin endpoints are never subject to faults.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Faults:
     status: int | None = None
     refuse: bool | None = None
     unhealthy: bool | None = None
+    kv_usage: float | None = None
+    waiting: int | None = None
 
     def merged(self, override: Faults) -> Faults:
         """These faults with every knob set in ``override`` replacing ours."""
@@ -91,11 +97,18 @@ def _coerce(key: str, value: Any) -> Any:
             if not number >= 0 or number == float("inf"):
                 raise ValueError
             return number
+        if key == "kv_usage":
+            number = float(text)
+            if not 0 <= number <= 1:
+                raise ValueError
+            return number
         number = int(text)
     except ValueError:
-        kind = "a number of milliseconds >= 0" if key == "first_token_delay_ms" else "an integer"
+        kind = {"first_token_delay_ms": "a number of milliseconds >= 0", "kv_usage": "a fraction 0..1"}.get(
+            key, "an integer"
+        )
         raise ValueError(f"fault knob {key!r} needs {kind}, got {value!r}") from None
-    if key in _COUNT_KNOBS and number < 0:
+    if (key in _COUNT_KNOBS or key == "waiting") and number < 0:
         raise ValueError(f"fault knob {key!r} needs a token count >= 0, got {number}")
     if key == "status" and not 400 <= number <= 599:
         raise ValueError(f"fault knob 'status' needs an HTTP error status 400..599, got {number}")

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from loadtest.podsim.engine import FINISHED_REASONS, Engine, Histogram, ModelStats
+from loadtest.podsim.faults import NO_FAULTS, Faults
 
 LABELS = ["engine", "model_name"]
 
@@ -35,16 +36,26 @@ class PodsimCollector(Collector):
     """Renders the engine state and per-model stats at scrape time."""
 
     def __init__(
-        self, engine: Engine, stats: dict[str, ModelStats], info: Callable[[], dict[str, str]]
+        self,
+        engine: Engine,
+        stats: dict[str, ModelStats],
+        info: Callable[[], dict[str, str]],
+        faults: Callable[[], Faults] = lambda: NO_FAULTS,
     ) -> None:
         self.engine = engine
         self.stats = stats
         self.info = info
+        self.faults = faults
 
     def collect(self) -> Iterator[Metric]:
         engine, stats = self.engine, list(self.stats.values())
         counts = engine.counts_by_model()
         kv = engine.kv_usage()
+        faults = self.faults()
+        if faults.kv_usage is not None:
+            kv = faults.kv_usage
+        if faults.waiting is not None:
+            counts = {s.model: (counts.get(s.model, (0, 0))[0], faults.waiting) for s in stats}
         label = {s.model: ["0", s.model] for s in stats}
 
         def gauge(name: str, doc: str, value: Callable[[ModelStats], float]) -> GaugeMetricFamily:

@@ -400,7 +400,9 @@ class Podsim:
         self.in_flight = 0
         self.created = int(time.time())
         self._permission_ids = {model: f"modelperm-{uuid.uuid4().hex}" for model in self.models}
-        self.registry = build_registry(PodsimCollector(self.engine, self.stats, self._info_labels))
+        self.registry = build_registry(
+            PodsimCollector(self.engine, self.stats, self._info_labels, lambda: self.faults)
+        )
 
     # --- identity ------------------------------------------------------------------------------
 

@@ -1,0 +1,206 @@
+"""The pod monitor: probes, scrapes and device-health sources, written into the registry.
+
+Three loops, each on its own interval: ``GET /health`` of every pod (health with hysteresis), each
+pod's own ``/metrics`` (KV cache and queue: the pressure breaker and the load score), and the GPU
+sources (dcgm-exporter, the mig-agent) whose verdicts are matched to pods by GPU UUID plus GPU
+instance id or by MIG UUID. A source that cannot be reached keeps its last verdicts: a fault is not
+forgotten because the exporter restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+from gateway.config import HealthConfig
+from gateway.health.dcgm import parse_dcgm
+from gateway.health.mig_agent import parse_agent_devices
+from gateway.health.verdict import DeviceKey, DeviceVerdict
+from gateway.health.vllm_metrics import parse_vllm_metrics
+from gateway.pods.registry import Pod, PodRegistry
+
+log = logging.getLogger("sluicegate.monitor")
+
+
+def matches(key: DeviceKey, pod: Pod) -> bool:
+    """Whether a device verdict concerns ``pod``: its slice, its whole GPU, or the pod by name."""
+    if key.pod is not None:
+        return key.pod == pod.name or key.pod.rsplit("/", 1)[-1] == pod.name
+    mig = pod.config.mig
+    if mig is None:
+        return False
+    if key.mig_uuid is not None:
+        return key.mig_uuid == mig.mig_uuid
+    if key.gpu_uuid is None or key.gpu_uuid != mig.gpu_uuid:
+        return False
+    return key.gpu_instance_id is None or key.gpu_instance_id == mig.gpu_instance_id
+
+
+class DeviceFaults:
+    """The latest verdicts of every device source, and the faults an operator or quarantine cleared.
+
+    A cleared fault stays cleared while its source keeps repeating the same verdict (DCGM's XID
+    gauge shows the last XID until the driver reloads); a new reason marks the pod again.
+    """
+
+    def __init__(self) -> None:
+        self.by_source: dict[str, list[DeviceVerdict]] = {}
+        self.cleared: dict[str, set[str]] = {}  # pod name -> reasons cleared for it
+
+    def update(self, source: str, verdicts: list[DeviceVerdict]) -> None:
+        self.by_source[source] = verdicts
+
+    def fault_for(self, pod: Pod) -> str | None:
+        cleared = self.cleared.get(pod.name, set())
+        for verdicts in self.by_source.values():
+            for verdict in verdicts:
+                if not verdict.healthy and verdict.reason not in cleared and matches(verdict.key, pod):
+                    return f"{verdict.reason} ({verdict.source})"
+        return None
+
+    def clear(self, pod: Pod) -> None:
+        """Forget the pod's current device fault (an operator checked the slice, or quarantine ended)."""
+        for verdicts in self.by_source.values():
+            for verdict in verdicts:
+                if not verdict.healthy and matches(verdict.key, pod):
+                    self.cleared.setdefault(pod.name, set()).add(verdict.reason)
+
+
+class PodMonitor:
+    """Runs the health loops for a registry until cancelled."""
+
+    def __init__(
+        self,
+        registry: PodRegistry,
+        session: Callable[[], aiohttp.ClientSession],
+        config: HealthConfig,
+    ) -> None:
+        self.registry = registry
+        self.session = session
+        self.config = config
+        self.devices = DeviceFaults()
+        self._ttft_seen: dict[str, tuple[float, float]] = {}  # pod -> (first tokens counted, at)
+
+    async def run(self) -> None:
+        loops = [self._every(self.config.probe.interval_s, self.probe_all),
+                 self._every(self.config.scrape.interval_s, self.scrape_all),
+                 self._every(1.0, self._tick)]
+        devices = self.config.devices
+        if devices.dcgm_urls or devices.agent_urls:
+            loops.append(self._every(devices.interval_s, self.check_devices))
+        await asyncio.gather(*loops)
+
+    async def _every(self, interval_s: float, step: Callable[[], object]) -> None:
+        while True:
+            try:
+                await step()  # type: ignore[misc]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one round must not stop the monitor
+                log.exception("health round failed")
+            await asyncio.sleep(interval_s)
+
+    async def _tick(self) -> None:
+        self.registry.tick(time.monotonic())
+
+    # -- probes --------------------------------------------------------------------------------------
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(pod) for pod in self.registry.pods))
+
+    async def probe(self, pod: Pod) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.probe.timeout_s)
+        detail = ""
+        try:
+            async with self.session().get(pod.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+                detail = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, detail = False, str(exc) or type(exc).__name__
+        now = time.monotonic()
+        if ok and pod.health.quarantine_over(now, self.config.devices.quarantine_s):
+            log.warning("pod %s: quarantine over; clearing %s", pod.name, pod.health.device_fault)
+            self.devices.clear(pod)
+            self.registry.health_changed(pod, pod.health.set_device_fault(None, now))
+        self.registry.health_changed(pod, pod.health.probe_result(ok, detail))
+
+    # -- the pods' own metrics ----------------------------------------------------------------------
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(pod) for pod in self.registry.pods if pod.reachable))
+
+    async def scrape(self, pod: Pod) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.scrape.timeout_s)
+        try:
+            async with self.session().get(pod.url + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            return  # stale data ages out by itself
+        try:
+            parsed = parse_vllm_metrics(text)
+        except ValueError as exc:
+            log.warning("pod %s: unreadable /metrics: %s", pod.name, exc)
+            return
+        now = time.monotonic()
+        load = pod.load
+        load.kv_cache_usage = parsed.kv_cache_usage
+        load.running = parsed.num_requests_running
+        load.waiting = parsed.num_requests_waiting
+        if parsed.ttft_count is not None:
+            previous = self._ttft_seen.get(pod.name)
+            if previous is not None and now > previous[1] and parsed.ttft_count >= previous[0]:
+                load.drain_per_s = (parsed.ttft_count - previous[0]) / (now - previous[1])
+            self._ttft_seen[pod.name] = (parsed.ttft_count, now)
+        load.scraped_at = now
+        self.registry.load_changed(pod, pod.pressure.update(load))
+
+    # -- GPU and MIG-slice sources ------------------------------------------------------------------
+
+    async def check_devices(self) -> None:
+        devices = self.config.devices
+        await asyncio.gather(
+            *(self._source(url, "dcgm") for url in devices.dcgm_urls),
+            *(self._source(url.rstrip("/") + "/v1/devices", "mig-agent") for url in devices.agent_urls),
+        )
+        self.apply_device_faults()
+
+    async def _source(self, url: str, kind: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.devices.timeout_s)
+        try:
+            async with self.session().get(url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}")
+                body = await resp.read()
+            verdicts = self._parse(kind, body)
+        except (aiohttp.ClientError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
+            log.warning("device source %s unavailable, keeping its last verdicts: %s", url, exc)
+            return
+        self.devices.update(url, verdicts)
+
+    def _parse(self, kind: str, body: bytes) -> list[DeviceVerdict]:
+        if kind == "dcgm":
+            return parse_dcgm(body.decode("utf-8", "replace"), self.config.devices.max_temp_c).verdicts
+        return parse_agent_devices(body)
+
+    def set_source(self, source: str, verdicts: Iterable[DeviceVerdict]) -> None:
+        """Verdicts pushed by another loop (Kubernetes device health from discovery)."""
+        self.devices.update(source, list(verdicts))
+        self.apply_device_faults()
+
+    def apply_device_faults(self) -> None:
+        now = time.monotonic()
+        for pod in self.registry.pods:
+            fault = self.devices.fault_for(pod)
+            if fault != pod.health.device_fault:
+                self.registry.health_changed(pod, pod.health.set_device_fault(fault, now))
+
+    def clear(self, pod: Pod) -> None:
+        """Operator action: the slice was checked; route to the pod again (probes permitting)."""
+        self.devices.clear(pod)
+        self.registry.health_changed(pod, pod.health.set_device_fault(None, time.monotonic()))
