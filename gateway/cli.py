@@ -1,4 +1,5 @@
-"""The ``sluicegate`` command: ``serve`` the gateway, run a ``podsim``, or a local ``demo`` of both."""
+"""The ``sluicegate`` command: ``serve`` the gateway, run a ``podsim`` or a ``mig-agent``, or a local
+``demo`` of pods and gateway."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.podsim.cli import add_arguments
 
     add_arguments(podsim)
+    agent = commands.add_parser(
+        "mig-agent", help="serve this node's GPU and MIG-slice health from NVML (a DaemonSet)"
+    )
+    from gateway.migagent import add_arguments as add_agent_arguments
+
+    add_agent_arguments(agent)
     return parser
 
 
@@ -62,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.podsim.cli import run
 
         return run(args)
+    if args.command == "mig-agent":
+        from gateway.migagent import run as run_agent
+
+        return run_agent(args)
     try:
         config = resolve_config(args)
     except ConfigError as exc:

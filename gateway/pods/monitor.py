@@ -41,14 +41,18 @@ def matches(key: DeviceKey, pod: Pod) -> bool:
 
 
 class DeviceFaults:
-    """The latest verdicts of every device source, and the faults an operator or quarantine cleared.
+    """The latest verdicts of every device source, and each pod's sticky device fault.
 
-    A cleared fault stays cleared while its source keeps repeating the same verdict (DCGM's XID
-    gauge shows the last XID until the driver reloads); a new reason marks the pod again.
+    A fault, once seen, stays with the pod even when its source stops reporting it (an exporter
+    restart, a driver reload): like NVIDIA's device plugin, a slice that had a critical fault is
+    not trusted again until someone says so: the pod is replaced (a new name), an operator clears
+    it, or the quarantine ends with clean probes. A cleared fault is not raised again while the
+    source keeps repeating the same verdict (DCGM's XID gauge shows the last XID until reset).
     """
 
     def __init__(self) -> None:
         self.by_source: dict[str, list[DeviceVerdict]] = {}
+        self.sticky: dict[str, str] = {}  # pod name -> the fault that made it unroutable
         self.cleared: dict[str, set[str]] = {}  # pod name -> reasons cleared for it
 
     def update(self, source: str, verdicts: list[DeviceVerdict]) -> None:
@@ -56,14 +60,17 @@ class DeviceFaults:
 
     def fault_for(self, pod: Pod) -> str | None:
         cleared = self.cleared.get(pod.name, set())
-        for verdicts in self.by_source.values():
-            for verdict in verdicts:
-                if not verdict.healthy and verdict.reason not in cleared and matches(verdict.key, pod):
-                    return f"{verdict.reason} ({verdict.source})"
-        return None
+        if pod.name not in self.sticky:
+            for verdicts in self.by_source.values():
+                for verdict in verdicts:
+                    if not verdict.healthy and verdict.reason not in cleared and matches(verdict.key, pod):
+                        self.sticky[pod.name] = f"{verdict.reason} ({verdict.source})"
+                        break
+        return self.sticky.get(pod.name)
 
     def clear(self, pod: Pod) -> None:
-        """Forget the pod's current device fault (an operator checked the slice, or quarantine ended)."""
+        """Forget the pod's device fault (an operator checked the slice, or quarantine ended)."""
+        self.sticky.pop(pod.name, None)
         for verdicts in self.by_source.values():
             for verdict in verdicts:
                 if not verdict.healthy and matches(verdict.key, pod):
