@@ -26,6 +26,8 @@ from gateway.config import Config
 from gateway.errors import error_body
 from gateway.metrics import GatewayMetrics
 from gateway.pods.discovery import discovery_loop, refresh_all
+from gateway.pods.dns import DnsDiscovery
+from gateway.pods.kubernetes import KubePod, KubernetesDiscovery
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
@@ -100,6 +102,21 @@ class Gateway:
             ),
             asyncio.create_task(self.monitor.run(), name="pod-monitor"),
         ]
+        if discovery.kubernetes is not None:
+            k8s = discovery.kubernetes
+            watcher = KubernetesDiscovery(
+                k8s.namespace,
+                k8s.service,
+                port_name=k8s.port_name,
+                model_label=k8s.model_label,
+                api_url=k8s.api_url,
+                kubeconfig=k8s.kubeconfig,
+            )
+            loops.append(asyncio.create_task(watcher.run(self.discovered), name="kubernetes"))
+        if discovery.dns is not None:
+            dns = discovery.dns
+            resolver = DnsDiscovery(dns.host, dns.port, models=dns.models, interval_s=dns.interval_s)
+            loops.append(asyncio.create_task(resolver.run(self.discovered), name="dns"))
         try:
             yield
         finally:
@@ -114,6 +131,19 @@ class Gateway:
             self.relay.hangups = None
             self._session = None
             self._pod_client = None
+
+    def discovered(self, pods: list[KubePod]) -> None:
+        """A new snapshot from Kubernetes or DNS: the configured pods plus these.
+
+        A pod whose endpoint is not ready (or terminating) stays in the registry as draining: no new
+        streams, and the ones in flight finish. Its Kubernetes device health joins the other
+        device sources."""
+        self.registry.sync([*self.config.pods, *(p.to_pod_config() for p in pods)])
+        for found in pods:
+            pod = self.registry.get(found.name)
+            if pod is not None:
+                self.registry.health_changed(pod, pod.health.set_draining(not found.ready))
+        self.monitor.set_source("kubernetes", [v for p in pods for v in p.device_health])
 
     async def list_models(self, _request: Request) -> Response:
         created = int(self.started)

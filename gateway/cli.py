@@ -55,9 +55,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
     """The config file (if any) with command-line flags applied on top."""
     base = load_config(args.config) if args.config else parse_config({})
     config = with_overrides(base, host=args.host, port=args.port, upstreams=args.upstream)
-    if not config.pods:
+    if not config.pods and not config.discovery.dynamic:
         raise ConfigError(
-            "no pods are configured: pass --config FILE with a 'pods' list, or --upstream URL "
+            "no pods are configured: pass --config FILE with a 'pods' list or discovery.kubernetes or "
+            "discovery.dns, or --upstream URL "
             "(repeatable); `sluicegate demo` runs simulated pods for a quick start."
         )
     return config

@@ -190,12 +190,39 @@ class ResumeConfig(_Frozen):
         return self.max_per_request > 0 and ("*" in self.models or model in self.models)
 
 
+class KubernetesDiscoveryConfig(_Frozen):
+    """Pods behind a Service, from its EndpointSlices and the Pods they point at (list+watch)."""
+
+    namespace: str = Field(min_length=1)
+    service: str = Field(min_length=1)
+    port_name: str | None = Field(default=None, description="the EndpointSlice port; default: the first")
+    model_label: str = "model"
+    api_url: str | None = Field(default=None, description="default: in-cluster, else kubeconfig")
+    kubeconfig: str | None = None
+
+
+class DnsDiscoveryConfig(_Frozen):
+    """Pods behind a headless Service's A/AAAA records, re-resolved every ``interval_s``."""
+
+    host: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    models: tuple[str, ...] = ()
+    interval_s: float = Field(default=5.0, gt=0)
+
+
 class DiscoveryConfig(_Frozen):
-    """How often pods are asked which models they serve (``GET /v1/models``)."""
+    """Where pods come from besides ``pods``, and how often they are asked which models they
+    serve (``GET /v1/models``)."""
 
     refresh_interval_s: float = Field(default=15.0, gt=0)
     retry_interval_s: float = Field(default=1.0, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
+    kubernetes: KubernetesDiscoveryConfig | None = None
+    dns: DnsDiscoveryConfig | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.kubernetes is not None or self.dns is not None
 
 
 class Config(_Frozen):
