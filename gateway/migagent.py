@@ -22,7 +22,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.health.xid import describe, is_critical
+from gateway.side_server import serve_app
 
 log = logging.getLogger("sluicegate.migagent")
 
@@ -428,21 +428,7 @@ async def serve(
 ) -> None:
     """Serve ``agent`` (already started) until ``stop`` is set; without ``stop``, until SIGTERM/SIGINT."""
     runner = web.AppRunner(make_app(agent), access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-        bound = runner.addresses[0][1]
-        if stop is None:  # we own the process: stop on SIGTERM/SIGINT
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.add_signal_handler(signum, stop.set)
-        if announce is not None:
-            announce(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(runner, host, port, announce=announce, stop=stop)
 
 
 # --- command line ---------------------------------------------------------------------------------

@@ -42,24 +42,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from aiohttp import web
 
 from gateway.health.xid import describe
+from gateway.side_server import serve_app
+from loadtest.announced import AnnouncedServer, StartError
 from loadtest.podsim.engine import parse_mig_profile
-from loadtest.procs import terminate
 
 READY_PREFIX = "dcgmsim listening on "
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -371,10 +366,6 @@ class Dcgmsim:
             return web.json_response({"error": str(exc)}, status=400)
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 async def serve(
     config: DcgmsimConfig,
     host: str,
@@ -385,20 +376,7 @@ async def serve(
 ) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT); ``announce(url)`` once the socket is bound."""
     runner = web.AppRunner(Dcgmsim(config).app(), access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    try:
-        sock = socket.create_server((host, port))
-        await web.SockSite(runner, sock).start()
-        stop = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(signum, stop.set)
-        if announce is not None:
-            announce(_url(host, sock.getsockname()[1]))
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(runner, host, port, announce=announce, stop=stop)
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -480,86 +458,19 @@ def main(argv: list[str] | None = None) -> int:
 # --- launcher for system tests ------------------------------------------------------------------
 
 
-class DcgmsimStartError(RuntimeError):
+class DcgmsimStartError(StartError):
     """The fake exporter exited or stayed silent instead of announcing its address."""
 
 
-class DcgmsimProcess:
+class DcgmsimProcess(AnnouncedServer):
     """``python -m loadtest.dcgmsim ARGS`` as a child process, on a free port unless ARGS name ``--port``.
 
-    ``with DcgmsimProcess(["--gpu", "GPU-...:1g.10gb@9"]) as dcgm: dcgm.url``. Readiness is the
-    ``dcgmsim listening on`` line on its stdout, read by a thread; no polling of the port.
+    ``with DcgmsimProcess(["--gpu", "GPU-...:1g.10gb@9"]) as dcgm: dcgm.url`` (see :class:`AnnouncedServer`).
     """
 
-    def __init__(self, args: list[str], *, startup_timeout_s: float = 30.0) -> None:
-        self.args = list(args)
-        self.startup_timeout_s = startup_timeout_s
-        self.url = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._stderr: IO[bytes] | None = None
-
-    def argv(self) -> list[str]:
-        """The command line :meth:`start` runs."""
-        args = list(self.args)
-        if not any(a == "--port" or a.startswith("--port=") for a in args):
-            args += ["--port", "0"]
-        return [sys.executable, "-m", "loadtest.dcgmsim", *args]
-
-    def stderr_text(self) -> str:
-        """What the child wrote to stderr so far."""
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")
-
-    def start(self) -> DcgmsimProcess:
-        """Start the child and return once it listens; DcgmsimStartError otherwise."""
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            self.argv(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, env=env
-        )
-        ready, found = threading.Event(), []
-        threading.Thread(target=_watch, args=(self.proc.stdout, ready, found), daemon=True).start()
-        if not ready.wait(self.startup_timeout_s) or not found:
-            code = self.proc.poll()
-            text = self.stderr_text()
-            self.stop()
-            raise DcgmsimStartError(f"dcgmsim did not start (exit code {code}): {self.argv()}\n{text}")
-        self.url = found[0]
-        return self
-
-    def stop(self) -> int | None:
-        """SIGTERM (SIGKILL if it lingers); the exit code."""
-        code = terminate(self.proc) if self.proc is not None else None
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
-        return code
-
-    def __enter__(self) -> DcgmsimProcess:
-        return self.start()
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> DcgmsimProcess:
-        return await asyncio.to_thread(self.start)
-
-    async def __aexit__(self, *_exc: object) -> None:
-        await asyncio.to_thread(self.stop)
-
-
-def _watch(stream: IO[bytes] | None, ready: threading.Event, found: list[str]) -> None:
-    """Set ``ready`` at the listening line (or EOF), then keep draining so the child never blocks."""
-    try:
-        for raw in stream or ():
-            line = raw.decode(errors="replace").strip()
-            if not ready.is_set() and line.startswith(READY_PREFIX):
-                found.append(line[len(READY_PREFIX) :])
-                ready.set()
-    finally:
-        ready.set()
+    module = "loadtest.dcgmsim"
+    ready_prefix = READY_PREFIX
+    start_error = DcgmsimStartError
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import socket
 import ssl
 from collections.abc import Callable
 
 import httptools
+
+from transports.hangups import shut_down_fd
 
 Writer = Callable[[bytes], None]
 Key = tuple[str, int, bool]  # host, port, TLS
@@ -380,20 +381,8 @@ def shut_down_now(transport: asyncio.BaseTransport) -> None:
     """
     sock = transport.get_extra_info("socket")
     fd = sock.fileno() if sock is not None else -1
-    if fd < 0:
-        return
-    try:
-        # Borrows the fd (detached below, never closed here). Family and type are given so that
-        # no syscalls are spent asking; shutdown() does not depend on them.
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fileno=fd)
-    except OSError:
-        return
-    try:
-        raw.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already shut down or reset by the peer
-    finally:
-        raw.detach()
+    if fd >= 0:
+        shut_down_fd(fd)
 
 
 def _request_head(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 
@@ -101,10 +101,10 @@ class PodMonitor:
             loops.append(self._every(devices.interval_s, self.check_devices))
         await asyncio.gather(*loops)
 
-    async def _every(self, interval_s: float, step: Callable[[], object]) -> None:
+    async def _every(self, interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while True:
             try:
-                await step()  # type: ignore[misc]
+                await step()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in one round must not stop the monitor

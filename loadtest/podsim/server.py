@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import struct
 import time
@@ -28,6 +27,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.side_server import serve_app
 from loadtest.podsim import wire
 from loadtest.podsim.engine import Engine, EngineConfig, ModelStats, Sequence
 from loadtest.podsim.faults import NO_FAULTS, Faults, faults_from_json, parse_faults
@@ -141,23 +141,6 @@ def _content_text(content: Any, index: int) -> str:
 def estimate_chat_tokens(texts: list[str]) -> int:
     """Prompt tokens of a chat: words of every message plus a few per message for the template."""
     return 2 + sum(4 + len(text.split()) for text in texts)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    # "localhost" may resolve to ::1 first; clients usually try 127.0.0.1 first, so prefer IPv4
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
 
 
 def fault_schedule(faults: Faults) -> list[tuple[int, int, str]]:
@@ -830,10 +813,6 @@ async def _fastapi_style_errors(
         )
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 async def serve(
     config: PodsimConfig,
     host: str,
@@ -845,20 +824,7 @@ async def serve(
     """Serve until ``stop`` is set (or SIGTERM/SIGINT); ``announce`` gets the URL once bound."""
     sim = Podsim(config)
     runner = web.AppRunner(sim.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
     try:
-        sock = _bind(host, port)
-        site = web.SockSite(runner, sock, backlog=4096)
-        await site.start()
-        url = _url(host, sock.getsockname()[1])
-        stop = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(signum, stop.set)
-        if announce is not None:
-            announce(url)
-        await stop.wait()
+        await serve_app(runner, host, port, announce=announce, stop=stop, backlog=4096)
     finally:
         sim.engine.shutdown()
-        await runner.cleanup()
