@@ -6,8 +6,9 @@ what goes to the pod, so nothing the client sent is re-encoded or lost.
 
 from __future__ import annotations
 
+import itertools
 import json
-import uuid
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,10 @@ class InferenceRequest:
     payload: dict[str, Any]
 
 
+_ID_PREFIX = os.urandom(8).hex()  # unique per gateway process; a counter makes each id unique in it
+_ID_COUNTER = itertools.count(1)
+
+
 class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
@@ -39,7 +44,7 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
             if 0 < len(value) <= 128 and value.isascii() and value.decode().isprintable():
                 return value.decode()
             break
-    return uuid.uuid4().hex
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:

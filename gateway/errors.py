@@ -6,6 +6,7 @@ object wrapped as an SSE ``data:`` event once a stream has begun.
 
 from __future__ import annotations
 
+import functools
 import json
 
 from transports.sse import error_event
@@ -76,14 +77,22 @@ def no_capacity(model: str, retry_after_s: int = 1) -> GatewayError:
 
 
 def overloaded(model: str, reason: str, retry_after_s: int) -> GatewayError:
-    """Every pod of the model is saturated (or ejected): come back later, do not queue here."""
+    """Every pod of the model is saturated (or ejected): come back later, do not queue here.
+
+    The body is rendered once per (model, reason, wait): under overload this is the answer the
+    gateway gives most often, and it should cost as little as possible.
+    """
+    message, body = _overloaded_text(model, reason, retry_after_s)
     return GatewayError(
-        429,
-        f"Every pod serving '{model}' is at capacity right now; retry after {retry_after_s} s.",
-        "rate_limit_exceeded",
-        reason,
-        headers=(("retry-after", str(retry_after_s)),),
+        429, message, "rate_limit_exceeded", reason,
+        headers=(("retry-after", str(retry_after_s)),), raw_body=body,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _overloaded_text(model: str, reason: str, retry_after_s: int) -> tuple[str, bytes]:
+    message = f"Every pod serving '{model}' is at capacity right now; retry after {retry_after_s} s."
+    return message, error_body(message, "rate_limit_exceeded", reason)
 
 
 def upstream_failed(pod: str, detail: str, status: int = 502) -> GatewayError:

@@ -360,7 +360,7 @@ class Relay:
         if pod is None:
             status, reason, retry_after = self.registry.shed_reason(req.model, ex.criticality)
             retry_after = min(retry_after, self.config.shedding.retry_after_max_s)
-            self.metrics.shed.labels(req.model, ex.criticality, reason).inc()
+            self.metrics.child(self.metrics.shed, req.model, ex.criticality, reason).inc()
             if status == 429:
                 raise overloaded(req.model, reason, retry_after)
             raise no_capacity(req.model, retry_after)
@@ -390,7 +390,7 @@ class Relay:
                 try:
                     await self._attempt(ex, req, pod, headers)
                     ex.attempts.append("ok")
-                    self.metrics.upstream_attempts.labels("ok").inc()
+                    self.metrics.child(self.metrics.upstream_attempts, "ok").inc()
                     return
                 except GatewayError:
                     ex.attempts.append("failed")
@@ -764,12 +764,12 @@ class Relay:
         elapsed = time.perf_counter() - ex.started
         m = self.metrics
         model = ex.model_label
-        m.requests.labels(ex.route, model, str(ex.status)).inc()
-        m.request_duration.labels(ex.route, model).observe(elapsed)
+        m.child(m.requests, ex.route, model, str(ex.status)).inc()
+        m.child(m.request_duration, ex.route, model).observe(elapsed)
         if ex.ttft is not None:
-            m.time_to_first_token.labels(model).observe(ex.ttft)
+            m.child(m.time_to_first_token, model).observe(ex.ttft)
         if ex.chunks:
-            m.stream_chunks.labels(model).inc(ex.chunks)
+            m.child(m.stream_chunks, model).inc(ex.chunks)
         if self.config.server.access_log:
             access_log.info(
                 "rid=%s route=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "

@@ -243,6 +243,21 @@ def test_recent_means_come_from_two_scrapes() -> None:
     assert after.ttft_mean_since(PodLoad()) is None
 
 
+def test_only_the_series_routing_reads_are_parsed_so_others_cannot_break_a_scrape() -> None:
+    page = (
+        "# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency.\n"
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        + "".join(
+            f'vllm:e2e_request_latency_seconds_bucket{{le="{le}",model_name="llama-8b"}} {i}\n'
+            for i, le in enumerate((0.3, 0.5, 0.8, 1.0, 1.5, "+Inf"))
+        )
+        + "vllm:some_future_series{this is not valid prometheus text\n"
+        + "# TYPE vllm:num_requests_waiting gauge\n"
+        + vllm("vllm:num_requests_waiting", 6)
+    )
+    assert parse_vllm_metrics(page) == PodLoad(num_requests_waiting=6)
+
+
 def test_malformed_vllm_text_is_a_clear_value_error() -> None:
     with pytest.raises(ValueError, match="malformed vLLM metrics text"):
         parse_vllm_metrics('vllm:num_requests_running{engine="0" 1\n')

@@ -18,7 +18,7 @@ How dcgm-exporter names things (see shared/wire/facts.md):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 
 _HEALTH = frozenset({XID, TEMP, ECC_DBE_VOLATILE, ECC_DBE_AGGREGATE, ROW_REMAP_FAILURE})
 _USAGE = {FB_USED: "fb_used_mib", FB_FREE: "fb_free_mib", GR_ENGINE_ACTIVE: "gr_engine_active"}
+_WANTED = _HEALTH | frozenset(_USAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +62,26 @@ class DcgmReport:
     slices: dict[DeviceKey, SliceUsage] = field(default_factory=dict)
 
 
-def iter_samples(text: str | bytes, what: str) -> Iterator[tuple[str, str, dict[str, str], float]]:
+def iter_samples(
+    text: str | bytes, what: str, names: Collection[str] | None = None
+) -> Iterator[tuple[str, str, dict[str, str], float]]:
     """(family name, sample name, labels, value) of every sample in Prometheus text (also used for
     vLLM's page); ValueError naming ``what`` for malformed text. ``_created`` samples are skipped.
 
-    DCGM series are looked up by family name: prometheus_client renames samples of counters whose
-    names do not end in lowercase ``_total`` (``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`` gets ``_total`` added).
+    With ``names``, only the samples so named are parsed, as untyped series (family name = sample
+    name): lines are picked out by prefix before prometheus_client's parser sees them, which cuts a
+    scrape's CPU on the event loop many times over (a vLLM page is mostly histogram buckets the
+    gateway never reads). Lines of other series are not checked.
+
+    Without ``names``, DCGM series are looked up by family name: prometheus_client renames samples of
+    counters whose names do not end in lowercase ``_total`` (``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`` gets
+    ``_total`` added).
     """
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
+    if names is not None:
+        prefixes = tuple(n + "{" for n in names) + tuple(n + " " for n in names)
+        text = "\n".join(line for line in text.splitlines() if line.startswith(prefixes)) + "\n"
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -122,9 +134,7 @@ def parse_dcgm(text: str | bytes, max_temp_c: float = 90.0) -> DcgmReport:
     notes: dict[DeviceKey, list[str]] = {}
     usage: dict[DeviceKey, dict[str, Any]] = {}
     gpus: set[str] = set()
-    for name, _sample, labels, value in iter_samples(text, "dcgm-exporter"):
-        if name not in _HEALTH and name not in _USAGE:
-            continue
+    for name, _sample, labels, value in iter_samples(text, "dcgm-exporter", _WANTED):
         key = _key(labels)
         if key is None:
             continue

@@ -21,6 +21,10 @@ RUNNING = ("vllm:num_requests_running",)
 WAITING = ("vllm:num_requests_waiting",)
 TTFT = ("vllm:time_to_first_token_seconds",)
 ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+_WANTED = frozenset(
+    [*KV_CACHE_USAGE, *RUNNING, *WAITING]
+    + [name + suffix for name in (*TTFT, *ITL) for suffix in ("_sum", "_count")]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +58,11 @@ def _mean_between(c0: int | None, s0: float | None, c1: int | None, s1: float | 
 def parse_vllm_metrics(text: str | bytes, model: str | None = None) -> PodLoad:
     """The pod's load from one ``/metrics`` scrape, for ``model`` only when given.
 
-    Series without a ``model_name`` label count for every model. Malformed text raises ValueError.
+    Series without a ``model_name`` label count for every model. Malformed text in the series read
+    raises ValueError.
     """
     values: dict[str, list[float]] = {}
-    for _family, name, labels, value in iter_samples(text, "vLLM"):
+    for _family, name, labels, value in iter_samples(text, "vLLM", _WANTED):
         if model is not None and labels.get("model_name", model) != model:
             continue
         values.setdefault(name, []).append(value)
