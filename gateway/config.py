@@ -90,12 +90,39 @@ class TimeoutsConfig(_Frozen):
 Criticality = Literal["critical", "standard", "sheddable"]
 
 
+class DegradeConfig(_Frozen):
+    """Serve a tier's streaming requests without streaming while the chosen pod streams slowly.
+
+    The client still gets an SSE stream (the whole answer in one content event) and a header saying
+    so; the pod is spared the per-token work of streaming. Off unless a tier sets it.
+    """
+
+    inter_token_p95_ms: float = Field(gt=0, description="degrade when the pod's recent p95 gap is over this")
+
+
 class TierConfig(_Frozen):
     """A class of callers (chosen by API key or a trusted header) with its own timeouts."""
 
     api_keys: tuple[str, ...] = ()
     timeouts: StageOverrides = StageOverrides()
     criticality: Criticality = "standard"
+    degrade: DegradeConfig | None = None
+
+
+class AffinityConfig(_Frozen):
+    """Send requests that share a key to the same pod (its prefix cache stays warm), while it is fit.
+
+    ``key``: ``user`` (the request's ``user`` field), ``header:NAME`` (a request header), or
+    ``prefix`` (the start of the prompt). The pod for a key is chosen by rendezvous hashing among
+    the pods that may take the request, so every gateway replica agrees and a pod's loss moves only
+    its own keys; health, breakers and shedding decide first, and a pod far busier than its peers
+    (in-flight over ``max_load_factor`` times the mean, plus one) gives the key up to load balancing.
+    """
+
+    key: str = Field(pattern=r"^(user|prefix|header:[a-z0-9-]+)$")
+    prefix_chars: int = Field(default=1024, gt=0, description="key: prefix - how much of the prompt")
+    models: tuple[str, ...] = Field(default=(), description="default: every model")
+    max_load_factor: float = Field(default=1.5, ge=1.0)
 
 
 class ProbeConfig(_Frozen):
@@ -235,6 +262,7 @@ class Config(_Frozen):
     tiers: dict[str, TierConfig] = Field(default_factory=dict)
     health: HealthConfig = HealthConfig()
     shedding: SheddingConfig = SheddingConfig()
+    affinity: AffinityConfig | None = None
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
 

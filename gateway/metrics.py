@@ -154,6 +154,19 @@ class GatewayMetrics:
             ["model", "criticality", "reason"],
             registry=registry,
         )
+        self.affinity = Counter(
+            "sluicegate_affinity_total",
+            "Requests with an affinity key: 'home' went to the key's own pod, 'moved' to another because "
+            "that pod was unfit, full or far busier than the rest.",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.degraded = Counter(
+            "sluicegate_degraded_total",
+            "Streaming requests served without streaming because the pod streamed slowly, by tier.",
+            ["model", "tier"],
+            registry=registry,
+        )
         self.fail_open = Gauge(
             "sluicegate_fail_open",
             "1 while every pod of the model has stale metrics and routing ignores pressure.",

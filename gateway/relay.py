@@ -22,8 +22,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
+from gateway.affinity import affinity_key
 from gateway.config import Config
 from gateway.deadlines import Budget, TimeoutPolicy, timed_out
+from gateway.degrade import as_sse, non_streaming_body
 from gateway.errors import GatewayError, model_not_found, no_capacity, overloaded, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
@@ -162,12 +164,14 @@ class Exchange:
     """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
 
     __slots__ = (
+        "affinity",
         "attempts",
         "budget",
         "chunks",
         "criticality",
         "cut",
         "deadline",
+        "degraded",
         "detail",
         "first_token_at",
         "headers",
@@ -197,6 +201,8 @@ class Exchange:
         self.budget: Budget | None = None
         self.tier: str | None = None
         self.criticality = "standard"
+        self.affinity: str | None = None  # the request's affinity key, when affinity is configured
+        self.degraded: bool | None = None  # served without streaming: whether a usage chunk is wanted
         self.deadline = self.first_token_at = 0.0
         self.req: InferenceRequest | None = None
         self.model_label = "unknown"  # a metric label: only models some pod serves
@@ -308,8 +314,12 @@ class Relay:
             req = await self._admit(ex, receive, headers, route)
             ex.tier = self.timeouts.tier_of(headers)
             ex.criticality = self._criticality(ex.tier, headers)
+            affinity = self.config.affinity
+            if affinity is not None and (not affinity.models or req.model in affinity.models):
+                ex.affinity = affinity_key(affinity, req.payload, headers)
             pod = self._pick(ex, req)
             ex.set_budget(self.timeouts.budget(req.model, ex.tier, headers))
+            req = self._maybe_degrade(ex, req, pod)
             await self._serve(ex, req, pod, headers, receive)
         except GatewayError as err:
             ex.status = err.status
@@ -356,7 +366,7 @@ class Relay:
         if not self.registry.knows(req.model):
             raise model_not_found(req.model)
         ex.model_label = req.model
-        pod = self.registry.pick(req.model, criticality=ex.criticality)
+        pod = self.registry.pick(req.model, criticality=ex.criticality, **self._affinity_of(ex))
         if pod is None:
             status, reason, retry_after = self.registry.shed_reason(req.model, ex.criticality)
             retry_after = min(retry_after, self.config.shedding.retry_after_max_s)
@@ -366,6 +376,27 @@ class Relay:
             raise no_capacity(req.model, retry_after)
         ex.pod = pod
         return pod
+
+    def _affinity_of(self, ex: Exchange) -> dict[str, Any]:
+        if ex.affinity is None:
+            return {}
+        assert self.config.affinity is not None
+        return {"affinity": ex.affinity, "max_load_factor": self.config.affinity.max_load_factor}
+
+    def _maybe_degrade(self, ex: Exchange, req: InferenceRequest, pod: Pod) -> InferenceRequest:
+        """The request as the pod gets it: without streaming when the tier degrades and the pod is slow."""
+        if not req.stream or ex.tier is None:
+            return req
+        degrade = self.config.tiers[ex.tier].degrade
+        p95 = pod.load.itl_p95_s
+        if degrade is None or p95 is None or p95 * 1000 <= degrade.inter_token_p95_ms:
+            return req
+        if not pod.fresh(time.monotonic(), self.config.health.scrape.stale_after_s):
+            return req
+        body, ex.degraded = non_streaming_body(req.payload)
+        self.metrics.child(self.metrics.degraded, req.model, ex.tier).inc()
+        ex.req = degraded = InferenceRequest(req.route, req.model, False, body, req.payload)
+        return degraded
 
     # -- connect, then relay -------------------------------------------------------------------
 
@@ -425,7 +456,7 @@ class Relay:
         loop_time = asyncio.get_running_loop().time()
         if len(tried) >= self.config.retries.max_attempts or loop_time >= ex.deadline:
             raise failure.error
-        pod = self.registry.pick(req.model, exclude=tuple(tried))
+        pod = self.registry.pick(req.model, exclude=tuple(tried), **self._affinity_of(ex))
         if pod is None:
             raise failure.error
         if not self.retry_budget.try_retry(loop_time):
@@ -720,10 +751,18 @@ class Relay:
         if content_type.startswith(_JSON):
             with contextlib.suppress(ValueError, AttributeError):
                 self._count_tokens(ex, json.loads(body).get("usage"))
+        if ex.degraded is not None:
+            try:
+                body = as_sse(body, ex.degraded)
+            except ValueError as exc:
+                raise upstream_failed(pod.name, f"sent an unreadable answer ({_reason(exc)}).") from None
+            content_type = b"text/event-stream"
         assert ex.watch is not None
         ex.watch.finished = True
         ex.status = 200
         headers = ex.response_headers(content_type)
+        if ex.degraded is not None:
+            headers.append((b"x-sluicegate-degraded", b"non-streaming"))
         headers.append((b"content-length", str(len(body)).encode()))
         await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
         await ex.send({"type": "http.response.body", "body": body, "more_body": False})

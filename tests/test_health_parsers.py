@@ -3,6 +3,7 @@ wire samples in ../shared/wire and on small inline pages for the edge cases."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def test_malformed_dcgm_text_is_a_clear_value_error(text: str) -> None:
 
 @no_wire
 def test_wire_sample_pod_load() -> None:
-    expected = PodLoad(0.91, 14, 3, 512, 88.4, 9100, 301.7)
+    expected = PodLoad(0.91, 14, 3, 512, 88.4, 9100, 301.7, ((0.01, 3000.0), (math.inf, 9100.0)))
     assert parse_vllm_metrics(VLLM_SAMPLE) == expected
     assert parse_vllm_metrics(VLLM_SAMPLE, model="llama-8b") == expected
     assert parse_vllm_metrics(VLLM_SAMPLE, model="qwen-0.5b") == PodLoad()
@@ -258,6 +259,31 @@ def test_only_the_series_routing_reads_are_parsed_so_others_cannot_break_a_scrap
     assert parse_vllm_metrics(page) == PodLoad(num_requests_waiting=6)
 
 
+def itl(buckets: dict[float, float]) -> PodLoad:
+    return PodLoad(itl_buckets=tuple(sorted(buckets.items())))
+
+
+def test_inter_token_quantile_between_two_scrapes_interpolates_like_histogram_quantile() -> None:
+    before = itl({0.01: 100, 0.05: 100, 0.1: 100, math.inf: 100})
+    # since then: 60 gaps under 10 ms, 30 of 10-50 ms, 10 of 50-100 ms
+    after = itl({0.01: 160, 0.05: 190, 0.1: 200, math.inf: 200})
+    assert after.itl_quantile_since(before, 0.5) == pytest.approx(0.01 * 50 / 60)
+    assert after.itl_quantile_since(before, 0.95) == pytest.approx(0.05 + 0.05 * 0.5)
+    assert after.itl_quantile_since(before, 0.95, min_tokens=101) is None  # too few gaps to say
+    slower = itl({0.01: 100, 0.05: 100, 0.1: 100, math.inf: 200})  # every new gap over 100 ms
+    assert slower.itl_quantile_since(before, 0.95) == 0.1  # the last finite bound, as Prometheus
+    assert before.itl_quantile_since(after, 0.95) is None  # counts went down: the pod restarted
+    assert after.itl_quantile_since(PodLoad(), 0.95) is None
+
+
+def test_inter_token_buckets_are_summed_over_engines() -> None:
+    text = "".join(
+        f'vllm:inter_token_latency_seconds_bucket{{engine="{e}",le="{le}",model_name="m"}} {n}\n'
+        for e, le, n in (("0", "0.05", 3), ("0", "+Inf", 4), ("1", "0.05", 5), ("1", "+Inf", 5))
+    )
+    assert parse_vllm_metrics(text).itl_buckets == ((0.05, 8.0), (math.inf, 9.0))
+
+
 def test_malformed_vllm_text_is_a_clear_value_error() -> None:
     with pytest.raises(ValueError, match="malformed vLLM metrics text"):
         parse_vllm_metrics('vllm:num_requests_running{engine="0" 1\n')
@@ -273,8 +299,12 @@ async def test_reads_what_our_pod_simulator_serves() -> None:
     finally:
         sim.engine.shutdown()
     llama = parse_vllm_metrics(text, model="llama-8b")
-    assert llama == PodLoad(0.0, 0, 0, 2, pytest.approx(0.6), 0, 0.0)
-    assert parse_vllm_metrics(text, model="qwen-0.5b").itl_count == 1
+    assert (llama.kv_cache_usage, llama.num_requests_waiting, llama.ttft_count) == (0.0, 0, 2)
+    assert llama.ttft_sum_s == pytest.approx(0.6)
+    assert llama.itl_buckets is not None and llama.itl_buckets[-1] == (math.inf, 0.0)
+    qwen = parse_vllm_metrics(text, model="qwen-0.5b")
+    assert qwen.itl_count == 1
+    assert qwen.itl_buckets is not None and all(count == 1 for le, count in qwen.itl_buckets if le >= 0.01)
     assert parse_vllm_metrics(text).ttft_count == 2
 
 

@@ -12,6 +12,7 @@ A metric the pod does not export is None, never an error.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gateway.health.dcgm import iter_samples
@@ -24,6 +25,7 @@ ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 _WANTED = frozenset(
     [*KV_CACHE_USAGE, *RUNNING, *WAITING]
     + [name + suffix for name in (*TTFT, *ITL) for suffix in ("_sum", "_count")]
+    + [name + "_bucket" for name in ITL]
 )
 
 
@@ -38,6 +40,7 @@ class PodLoad:
     ttft_sum_s: float | None = None
     itl_count: int | None = None
     itl_sum_s: float | None = None
+    itl_buckets: tuple[tuple[float, float], ...] | None = None  # (upper bound s, cumulative count)
 
     def ttft_mean_since(self, earlier: PodLoad) -> float | None:
         """Mean time to first token (s) of the requests that got one between ``earlier`` and this scrape."""
@@ -46,6 +49,33 @@ class PodLoad:
     def itl_mean_since(self, earlier: PodLoad) -> float | None:
         """Mean inter-token latency (s) over the tokens streamed between ``earlier`` and this scrape."""
         return _mean_between(earlier.itl_count, earlier.itl_sum_s, self.itl_count, self.itl_sum_s)
+
+    def itl_quantile_since(self, earlier: PodLoad, q: float, min_tokens: int = 1) -> float | None:
+        """The ``q`` quantile (s) of the inter-token gaps observed between ``earlier`` and this scrape.
+
+        Estimated from the histogram's bucket counts as Prometheus's ``histogram_quantile`` does:
+        linear within the bucket the rank falls in, the bucket's lower bound when it is the last
+        (+Inf) one. None with fewer than ``min_tokens`` new gaps, no histogram, or a restarted pod.
+        """
+        if self.itl_buckets is None or earlier.itl_buckets is None:
+            return None
+        before = dict(earlier.itl_buckets)
+        deltas = [(le, count - before.get(le, 0.0)) for le, count in self.itl_buckets]
+        if any(delta < 0 for _, delta in deltas) or not deltas:
+            return None
+        total = deltas[-1][1]
+        if total < max(1, min_tokens):
+            return None
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for le, cumulative in deltas:
+            if cumulative >= rank:
+                if le == math.inf:
+                    return lower
+                inside = cumulative - below
+                return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
+            lower, below = le, cumulative
+        return lower
 
 
 def _mean_between(c0: int | None, s0: float | None, c1: int | None, s1: float | None) -> float | None:
@@ -62,8 +92,17 @@ def parse_vllm_metrics(text: str | bytes, model: str | None = None) -> PodLoad:
     raises ValueError.
     """
     values: dict[str, list[float]] = {}
+    buckets: dict[str, dict[float, float]] = {}
     for _family, name, labels, value in iter_samples(text, "vLLM", _WANTED):
         if model is not None and labels.get("model_name", model) != model:
+            continue
+        if name.endswith("_bucket"):
+            try:
+                le = float(labels["le"])
+            except (KeyError, ValueError):
+                raise ValueError(f"malformed vLLM metrics text: {name} without a numeric le") from None
+            per_le = buckets.setdefault(name, {})
+            per_le[le] = per_le.get(le, 0.0) + value  # summed over engines
             continue
         values.setdefault(name, []).append(value)
 
@@ -82,6 +121,7 @@ def parse_vllm_metrics(text: str | bytes, model: str | None = None) -> PodLoad:
         return None if found is None else round(found)
 
     kv = pick(KV_CACHE_USAGE)
+    itl_buckets = next((buckets[n + "_bucket"] for n in ITL if n + "_bucket" in buckets), None)
     return PodLoad(
         kv_cache_usage=sum(kv) / len(kv) if kv else None,
         num_requests_running=count(RUNNING),
@@ -90,4 +130,5 @@ def parse_vllm_metrics(text: str | bytes, model: str | None = None) -> PodLoad:
         ttft_sum_s=total(TTFT, "_sum"),
         itl_count=count(ITL, "_count"),
         itl_sum_s=total(ITL, "_sum"),
+        itl_buckets=tuple(sorted(itl_buckets.items())) if itl_buckets else None,
     )

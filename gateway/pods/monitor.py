@@ -20,10 +20,12 @@ from gateway.config import HealthConfig
 from gateway.health.dcgm import parse_dcgm
 from gateway.health.mig_agent import parse_agent_devices
 from gateway.health.verdict import DeviceKey, DeviceVerdict
-from gateway.health.vllm_metrics import parse_vllm_metrics
+from gateway.health.vllm_metrics import PodLoad, parse_vllm_metrics
 from gateway.pods.registry import Pod, PodRegistry
 
 log = logging.getLogger("sluicegate.monitor")
+
+ITL_MIN_TOKENS = 20  # fewer new inter-token gaps than this between two scrapes say nothing of a pod's pace
 
 
 def matches(key: DeviceKey, pod: Pod) -> bool:
@@ -91,6 +93,7 @@ class PodMonitor:
         self.config = config
         self.devices = DeviceFaults()
         self._ttft_seen: dict[str, tuple[float, float]] = {}  # pod -> (first tokens counted, at)
+        self._itl_reference: dict[str, PodLoad] = {}  # pod -> the scrape its pace is measured from
 
     async def run(self) -> None:
         loops = [self._every(self.config.probe.interval_s, self.probe_all),
@@ -164,8 +167,28 @@ class PodMonitor:
             if previous is not None and now > previous[1] and parsed.ttft_count >= previous[0]:
                 load.drain_per_s = (parsed.ttft_count - previous[0]) / (now - previous[1])
             self._ttft_seen[pod.name] = (parsed.ttft_count, now)
+        self._inter_token_pace(pod, parsed)
         load.scraped_at = now
         self.registry.load_changed(pod, pod.pressure.update(load))
+
+    def _inter_token_pace(self, pod: Pod, parsed: PodLoad) -> None:
+        """The pod's p95 inter-token gap over its latest ITL_MIN_TOKENS or more gaps.
+
+        Measured from a reference scrape that moves on only once enough new gaps were counted, so an
+        idle pod keeps its last known pace instead of forgetting it between two quiet scrapes.
+        """
+        if parsed.itl_buckets is None:
+            return
+        reference = self._itl_reference.get(pod.name)
+        if reference is None or reference.itl_buckets is None or (
+            parsed.itl_buckets[-1][1] < reference.itl_buckets[-1][1]  # the pod restarted
+        ):
+            self._itl_reference[pod.name] = parsed
+            return
+        p95 = parsed.itl_quantile_since(reference, 0.95, ITL_MIN_TOKENS)
+        if p95 is not None:
+            pod.load.itl_p95_s = p95
+            self._itl_reference[pod.name] = parsed
 
     # -- GPU and MIG-slice sources ------------------------------------------------------------------
 

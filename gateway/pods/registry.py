@@ -7,6 +7,7 @@ other module keeps a pod list.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import random
@@ -115,6 +116,7 @@ class Pod:
                     "kv_cache_usage": load.kv_cache_usage,
                     "running": load.running,
                     "waiting": load.waiting,
+                    "itl_p95_ms": None if load.itl_p95_s is None else round(load.itl_p95_s * 1000, 1),
                     "fresh": self.fresh(now, stale_after_s),
                     "age_s": None if load.scraped_at is None else round(now - load.scraped_at, 3),
                 },
@@ -189,6 +191,8 @@ class PodRegistry:
         exclude: tuple[Pod, ...] = (),
         criticality: str = "standard",
         now: float | None = None,
+        affinity: str | None = None,
+        max_load_factor: float = 1.5,
     ) -> Pod | None:
         """The best pod for ``model``'s next request, or None when none can take it.
 
@@ -198,7 +202,8 @@ class PodRegistry:
         stale counts as saturated, unless every pod of the model is stale: then routing fails open
         on in-flight counts rather than refusing everything. Among the qualified, the better of two
         (power of two choices), so that many gateway replicas do not herd onto one pod; ties rotate.
-        ``exclude`` holds pods this request already tried.
+        ``exclude`` holds pods this request already tried. With an ``affinity`` key, the key's own
+        pod among the qualified (see ``_by_affinity``) instead.
         """
         candidates = self._by_model.get(model)
         if not candidates:
@@ -222,7 +227,11 @@ class PodRegistry:
             usable = []
         if not usable:
             return None
-        pod = self._better_of_two(usable)
+        pod = None
+        if affinity is not None:
+            pod = self._by_affinity(model, candidates, usable, affinity, max_load_factor)
+        if pod is None:
+            pod = self._better_of_two(usable)
         if pod.outlier.state == HALF_OPEN:
             pod.outlier.trial_out = True
         return pod
@@ -237,6 +246,30 @@ class PodRegistry:
         else:
             a, b = random.sample(pods, 2)
         return b if b.score() < a.score() else a
+
+    def _by_affinity(
+        self, model: str, candidates: tuple[Pod, ...], usable: list[Pod], key: str, max_load_factor: float
+    ) -> Pod | None:
+        """The first pod in ``key``'s rendezvous order that qualified and is not far busier than the rest.
+
+        Rendezvous (highest random weight) hashing ranks every pod of the model by a hash of the key
+        and the pod's name: replicas agree without sharing state, and a pod that leaves or is unfit
+        hands on only its own keys, each to its next pod in order. Bounded as in consistent hashing
+        with bounded loads: a pod over ``max_load_factor`` x the mean in-flight (plus one) is passed
+        over. None (load balancing decides) when every qualified pod is over that bound.
+        """
+        ranked = sorted(candidates, key=lambda pod: _weight(key, pod.name), reverse=True)
+        qualified = set(usable)
+        bound = max_load_factor * sum(p.in_flight for p in usable) / len(usable) + 1
+        for pod in ranked:
+            if pod in qualified and pod.in_flight <= bound:
+                outcome = "home" if pod is ranked[0] else "moved"
+                if self.metrics is not None:
+                    self.metrics.child(self.metrics.affinity, model, outcome).inc()
+                return pod
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.affinity, model, "moved").inc()
+        return None
 
     def _set_fail_open(self, model: str, failing: bool) -> None:
         if failing == (model in self.failing_open):
@@ -338,3 +371,9 @@ class PodRegistry:
         now = time.monotonic()
         stale = self.health_config.scrape.stale_after_s
         return [pod.snapshot(now, stale) for pod in self.pods]
+
+
+def _weight(key: str, pod_name: str) -> int:
+    """A pod's rendezvous weight for a key: stable across processes (Python's ``hash`` is not)."""
+    digest = hashlib.blake2b(pod_name.encode(), digest_size=8, key=key.encode()[:64]).digest()
+    return int.from_bytes(digest, "big")

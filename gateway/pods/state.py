@@ -101,6 +101,7 @@ class Load:
     running: float | None = None
     waiting: float | None = None
     drain_per_s: float | None = None  # requests the pod finished per second, between two scrapes
+    itl_p95_s: float | None = None  # 95th percentile inter-token gap between the last two scrapes
     scraped_at: float | None = None
 
 
