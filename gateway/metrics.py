@@ -39,8 +39,8 @@ class GatewayMetrics:
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "sluicegate_requests_total",
-            "Requests answered, by route, model and HTTP status.",
-            ["route", "model", "status"],
+            "Requests answered, by route, model, HTTP status and client transport (h1, h2, h3, grpc-web).",
+            ["route", "model", "status", "transport"],
             registry=registry,
         )
         self.request_duration = Histogram(
@@ -52,8 +52,8 @@ class GatewayMetrics:
         )
         self.time_to_first_token = Histogram(
             "sluicegate_time_to_first_token_seconds",
-            "From the request's arrival to the first token sent to the client.",
-            ["model"],
+            "From the request's arrival to the first token sent to the client, by the client's transport.",
+            ["model", "transport"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )

@@ -165,6 +165,7 @@ class Exchange:
 
     __slots__ = (
         "affinity",
+        "alt_svc",
         "attempts",
         "budget",
         "chunks",
@@ -187,13 +188,16 @@ class Exchange:
         "status",
         "t0",
         "tier",
+        "transport",
         "tried",
         "ttft",
         "watch",
     )
 
-    def __init__(self, route: str, rid: str, send: Send) -> None:
+    def __init__(self, route: str, rid: str, send: Send, transport: str = "h1") -> None:
         self.route = route
+        self.transport = transport
+        self.alt_svc: bytes | None = None  # the Alt-Svc value to send, over TCP when HTTP/3 is offered
         self.rid = rid
         self.send = send
         self.started = time.perf_counter()
@@ -226,11 +230,14 @@ class Exchange:
 
     def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         assert self.pod is not None
-        return [
+        headers = [
             (b"content-type", content_type),
             (b"x-request-id", self.rid.encode()),
             (b"x-sluicegate-pod", self.pod.name.encode()),
         ]
+        if self.alt_svc is not None:
+            headers.append((b"alt-svc", self.alt_svc))
+        return headers
 
 
 class Relay:
@@ -248,6 +255,9 @@ class Relay:
         self.metrics = metrics
         self._client = client
         self.hangups: HangupWatcher | None = None  # set by the app while it runs
+        # Set by the server when it listens for HTTP/3: answers over TCP advertise it (RFC 7838),
+        # e.g. b'h3=":8443"; ma=86400'; b"clear" tells clients to forget an earlier advertisement.
+        self.alt_svc: bytes | None = None
         self.timeouts = TimeoutPolicy(config)
         retries = config.retries
         self.retry_budget = RetryBudget(retries.budget_ratio, retries.min_retries_per_s)
@@ -289,7 +299,9 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        ex = Exchange(route, request_id(headers), send)
+        ex = Exchange(route, request_id(headers), send, transport_of(scope))
+        if ex.transport != "h3":
+            ex.alt_svc = self.alt_svc
         task = asyncio.current_task()
         assert task is not None
         self._active[ex] = task
@@ -326,7 +338,7 @@ class Relay:
             ex.detail = str(err.code or err.type)
             if err.type == "timeout":
                 self.metrics.timeouts.labels(str(err.code)).inc()
-            await _send_error(send, err, ex.rid)
+            await _send_error(send, err, ex.rid, ex.alt_svc)
         except ClientGone:
             ex.status = 499
             ex.detail = "client_gone"
@@ -336,7 +348,8 @@ class Relay:
             ex.detail = "internal_error"
             if ex.status == 0:
                 ex.status = 500
-                await _send_error(send, GatewayError(500, "Internal gateway error.", "server_error"), ex.rid)
+                internal = GatewayError(500, "Internal gateway error.", "server_error")
+                await _send_error(send, internal, ex.rid, ex.alt_svc)
         finally:
             del self._active[ex]
             if not self._active:
@@ -803,18 +816,19 @@ class Relay:
         elapsed = time.perf_counter() - ex.started
         m = self.metrics
         model = ex.model_label
-        m.child(m.requests, ex.route, model, str(ex.status)).inc()
+        m.child(m.requests, ex.route, model, str(ex.status), ex.transport).inc()
         m.child(m.request_duration, ex.route, model).observe(elapsed)
         if ex.ttft is not None:
-            m.child(m.time_to_first_token, model).observe(ex.ttft)
+            m.child(m.time_to_first_token, model, ex.transport).observe(ex.ttft)
         if ex.chunks:
             m.child(m.stream_chunks, model).inc(ex.chunks)
         if self.config.server.access_log:
             access_log.info(
-                "rid=%s route=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "
+                "rid=%s route=%s transport=%s model=%s stream=%s pod=%s status=%d outcome=%s ttft_ms=%s "
                 "duration_ms=%.1f chunks=%d attempts=%s resumes=%d",
                 ex.rid,
                 ex.route,
+                ex.transport,
                 model,
                 int(bool(ex.req and ex.req.stream)),
                 ex.pod.name if ex.pod else "-",
@@ -826,6 +840,18 @@ class Relay:
                 ",".join(ex.attempts) or "-",
                 ex.resumes,
             )
+
+
+_TRANSPORTS = {"1.1": "h1", "1.0": "h1", "2": "h2", "3": "h3"}
+
+
+def transport_of(scope: Scope) -> str:
+    """The client's transport, a metric label: a handler that translates another protocol (gRPC-Web)
+    names itself in ``scope["sluicegate.transport"]``; otherwise the HTTP version."""
+    named = scope.get("sluicegate.transport")
+    if named is not None:
+        return str(named)
+    return _TRANSPORTS.get(scope.get("http_version", "1.1"), "h1")
 
 
 def _recording(
@@ -848,13 +874,15 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
-async def _send_error(send: Send, err: GatewayError, rid: str) -> None:
+async def _send_error(send: Send, err: GatewayError, rid: str, alt_svc: bytes | None = None) -> None:
     body = err.body()
     headers = [
         (b"content-type", _JSON),
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", rid.encode()),
     ]
+    if alt_svc is not None:
+        headers.append((b"alt-svc", alt_svc))
     headers.extend((k.encode(), v.encode()) for k, v in err.headers)
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
