@@ -725,6 +725,34 @@ def test_process_faults_via_admin_api_spare_admin_and_metrics(sim: PodsimProcess
     assert httpx.post(sim.url + "/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def test_kv_usage_and_waiting_change_at_runtime_via_admin_faults(sim: PodsimProcess) -> None:
+    def gauge(name: str) -> float:
+        return metric_value(sim.url, name, name, model_name="llama-8b")
+
+    try:
+        full = httpx.post(sim.url + "/admin/faults", json={"kv_usage": 0.97, "waiting": 40})
+        assert full.status_code == 200
+        assert gauge("vllm:kv_cache_usage_perc") == 0.97
+        assert gauge("vllm:num_requests_waiting") == 40
+    finally:
+        httpx.delete(sim.url + "/admin/faults")
+    assert gauge("vllm:kv_cache_usage_perc") < 0.5
+
+
+def test_arrivals_log_each_generation_request_on_the_machine_wide_clock(sim: PodsimProcess) -> None:
+    before = time.monotonic()
+    for rid in ("arrive-1", "arrive-2"):
+        resp = httpx.post(sim.url + "/v1/chat/completions", json=CHAT, headers={"X-Request-Id": rid})
+        assert resp.status_code == 200
+    after = time.monotonic()
+    httpx.get(sim.url + "/v1/models")  # not a generation request: not logged
+    arrivals = httpx.get(sim.url + "/podsim/arrivals", params={"since": before}).json()["arrivals"]
+    assert [a["id"] for a in arrivals] == ["arrive-1", "arrive-2"]
+    assert before <= arrivals[0]["at"] <= arrivals[1]["at"] <= after
+    assert httpx.get(sim.url + "/podsim/arrivals", params={"since": after}).json() == {"arrivals": []}
+    assert httpx.get(sim.url + "/podsim/arrivals", params={"since": "soon"}).status_code == 400
+
+
 # --- aborts and the queue ------------------------------------------------------------------------
 
 

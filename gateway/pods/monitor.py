@@ -49,7 +49,8 @@ class DeviceFaults:
     restart, a driver reload): like NVIDIA's device plugin, a slice that had a critical fault is
     not trusted again until someone says so: the pod is replaced (a new name), an operator clears
     it, or the quarantine ends with clean probes. A cleared fault is not raised again while the
-    source keeps repeating the same verdict (DCGM's XID gauge shows the last XID until reset).
+    source keeps repeating the same verdict (DCGM's XID gauge shows the last XID until reset); once no
+    source reports it any more, it is forgotten, so the next occurrence is a new fault.
     """
 
     def __init__(self) -> None:
@@ -62,6 +63,13 @@ class DeviceFaults:
 
     def fault_for(self, pod: Pod) -> str | None:
         cleared = self.cleared.get(pod.name, set())
+        if cleared:  # forget cleared faults that no source repeats: if one comes back, it is new
+            cleared &= {
+                verdict.reason
+                for verdicts in self.by_source.values()
+                for verdict in verdicts
+                if not verdict.healthy and matches(verdict.key, pod)
+            }
         if pod.name not in self.sticky:
             for verdicts in self.by_source.values():
                 for verdict in verdicts:

@@ -378,6 +378,8 @@ class Podsim:
             self.max_model_len = config.max_model_len
         self.stats = {model: ModelStats(model) for model in self.models}
         self.abort_log: collections.deque[tuple[str, float, int]] = collections.deque(maxlen=100_000)
+        # (X-Request-Id, time.monotonic()) of each generation request as its handler starts
+        self.arrival_log: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
         self.sequences = SequenceCache()
         self.faults = config.faults
         self.in_flight = 0
@@ -426,6 +428,7 @@ class Podsim:
         r.add_get("/metrics", self.metrics)
         r.add_get("/podsim/identity", self.identity_handler)
         r.add_get("/podsim/aborts", self.aborts_handler)
+        r.add_get("/podsim/arrivals", self.arrivals_handler)
         r.add_get("/admin/faults", self.get_faults)
         r.add_post("/admin/faults", self.set_faults)
         r.add_delete("/admin/faults", self.clear_faults)
@@ -473,6 +476,19 @@ class Podsim:
             {"aborts": [{"id": rid, "at": at, "peer_port": port} for rid, at, port in self.abort_log]}
         )
 
+    async def arrivals_handler(self, request: web.Request) -> web.Response:
+        """``GET /podsim/arrivals[?since=T]``: each generation request's ``X-Request-Id`` and arrival time.
+
+        The time is ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for the whole machine) when the
+        handler started, so a benchmark can tell when a gateway last routed a request here.
+        """
+        try:
+            since = float(request.query.get("since", "-inf"))
+        except ValueError:
+            return ApiError(400, "since must be a number (time.monotonic() seconds)").response()
+        arrivals = [{"id": rid, "at": at} for rid, at in self.arrival_log if at >= since]
+        return self._json({"arrivals": arrivals})
+
     async def identity_handler(self, _request: web.Request) -> web.Response:
         """``GET /podsim/identity``: the MIG slice this pod pretends to run on."""
         return self._json(self.identity())
@@ -506,6 +522,7 @@ class Podsim:
     # --- generation ----------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        self.arrival_log.append((request.headers.get("X-Request-Id", ""), time.monotonic()))
         self.in_flight += 1
         try:
             try:
