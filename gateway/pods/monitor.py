@@ -113,6 +113,10 @@ class PodMonitor:
         await asyncio.gather(*loops)
 
     async def _every(self, interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` on a fixed cadence: a round that takes a while does not push the next one
+        back (a fault is seen within one interval, not one interval plus a round's length)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
             try:
                 await step()
@@ -120,7 +124,8 @@ class PodMonitor:
                 raise
             except Exception:  # a bug in one round must not stop the monitor
                 log.exception("health round failed")
-            await asyncio.sleep(interval_s)
+            due = max(due + interval_s, loop.time())  # an overrun round is followed at once, not doubled
+            await asyncio.sleep(due - loop.time())
 
     async def _tick(self) -> None:
         self.registry.tick(time.monotonic())
