@@ -22,10 +22,16 @@ class _Frozen(BaseModel):
 class MigIdentity(_Frozen):
     """Which GPU and MIG slice a pod runs on (as NVML and the device plugin name them)."""
 
-    gpu_uuid: str = Field(pattern=r"^GPU-")
+    gpu_uuid: str | None = Field(default=None, pattern=r"^GPU-", description="the parent GPU")
     mig_uuid: str | None = Field(default=None, pattern=r"^MIG-")
     profile: str | None = Field(default=None, pattern=r"^\d+g\.\d+gb(\+\w+)?$")
     gpu_instance_id: int | None = Field(default=None, ge=0, description="DCGM's GPU_I_ID (NVML's GI id)")
+
+    @model_validator(mode="after")
+    def _names_a_device(self) -> MigIdentity:
+        if self.gpu_uuid is None and self.mig_uuid is None:
+            raise ValueError("a MIG identity needs gpu_uuid (the parent GPU) or mig_uuid")
+        return self
 
 
 class PodConfig(_Frozen):

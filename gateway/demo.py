@@ -41,7 +41,8 @@ def podsim_args(pod: PodConfig) -> list[str]:
     for model in pod.models or ("llama-8b",):
         args += ["--model", model]
     if pod.mig:
-        args += ["--gpu-uuid", pod.mig.gpu_uuid]
+        if pod.mig.gpu_uuid:
+            args += ["--gpu-uuid", pod.mig.gpu_uuid]
         if pod.mig.mig_uuid:
             args += ["--mig-uuid", pod.mig.mig_uuid]
         if pod.mig.profile:

@@ -12,6 +12,8 @@ from lightkube.resources.core_v1 import Pod
 from gateway.config import MigIdentity
 from gateway.health.verdict import DeviceKey, DeviceVerdict
 from gateway.pods.kubernetes import KubePod, KubernetesDiscovery, describe_pod
+from gateway.pods.monitor import DeviceFaults
+from gateway.pods.registry import Pod as RegistryPod
 from loadtest.fakekube import PODS, SLICES, FakeKube, make_endpoint, make_pod, make_slice
 
 NS = "llm"
@@ -128,6 +130,24 @@ async def test_initial_list_describes_every_pod(kube: FakeKube, watch) -> None:
     assert config.labels["variant"] == "stable" and config.url == "http://10.4.2.17:8000"
     assert (b.models, b.mig_profile, b.mig_uuid, b.device_health) == (("qwen-0.5b",), None, None, ())
     assert b.to_pod_config().mig is None
+
+
+def test_a_pod_known_only_by_its_slice_still_hears_of_a_fault_on_its_whole_gpu() -> None:
+    """Kubernetes device health names the MIG device, not its GPU (a template cannot carry the GPU
+    UUID: each replica lands on another slice); the mig-agent's slice list supplies the parent."""
+    seen = KubePod(name="llm/a", url="http://10.4.2.17:8000", mig_profile="1g.10gb", mig_uuid=MIG_A)
+    pod = RegistryPod(seen.to_pod_config())
+    assert pod.config.mig == MigIdentity(mig_uuid=MIG_A, profile="1g.10gb")
+    faults = DeviceFaults()
+    xid = "XID 79 (GPU has fallen off the bus)"
+    gpu_fault = DeviceVerdict(DeviceKey(gpu_uuid=GPU), False, xid, "mig-agent")
+    faults.update("agent", [gpu_fault])
+    assert faults.fault_for(pod) is None  # which GPU is this slice on? not known yet
+    slice_a = DeviceVerdict(DeviceKey(gpu_uuid=GPU, gpu_instance_id=3, mig_uuid=MIG_A), True, "", "mig-agent")
+    faults.update("agent", [gpu_fault, slice_a])
+    assert faults.fault_for(pod) == "XID 79 (GPU has fallen off the bus) (mig-agent)"
+    with pytest.raises(ValueError, match=r"gpu_uuid \(the parent GPU\) or mig_uuid"):
+        MigIdentity(profile="1g.10gb")
 
 
 async def test_port_is_chosen_by_name_or_else_the_first(kube: FakeKube, watch) -> None:

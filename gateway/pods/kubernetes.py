@@ -66,9 +66,10 @@ class KubePod:
     device_health: tuple[DeviceVerdict, ...] = ()  # the kubelet's per-device health (KEP-4680)
 
     def to_pod_config(self) -> PodConfig:
-        """The registry's view. ``mig`` needs the parent GPU's UUID; without it MIG facts stay here."""
+        """The registry's view. ``mig`` needs the parent GPU's UUID or the slice's own MIG UUID (the
+        monitor learns the parent from the mig-agent or DCGM); without either, MIG facts stay here."""
         mig = None
-        if self.gpu_uuid and self.gpu_uuid.startswith("GPU-"):
+        if self.gpu_uuid or self.mig_uuid:
             try:
                 mig = MigIdentity(
                     gpu_uuid=self.gpu_uuid,

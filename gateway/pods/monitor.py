@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import aiohttp
 
@@ -28,8 +28,13 @@ log = logging.getLogger("sluicegate.monitor")
 ITL_MIN_TOKENS = 20  # fewer new inter-token gaps than this between two scrapes say nothing of a pod's pace
 
 
-def matches(key: DeviceKey, pod: Pod) -> bool:
-    """Whether a device verdict concerns ``pod``: its slice, its whole GPU, or the pod by name."""
+def matches(key: DeviceKey, pod: Pod, parents: Mapping[str, tuple[str, int | None]] | None = None) -> bool:
+    """Whether a device verdict concerns ``pod``: its slice, its whole GPU, or the pod by name.
+
+    ``parents`` maps MIG UUIDs to their parent GPU and GPU instance, as the sources reported them:
+    a pod known only by its slice (Kubernetes device health names the MIG device, not its GPU) still
+    hears of a fault on its whole GPU.
+    """
     if key.pod is not None:
         return key.pod == pod.name or key.pod.rsplit("/", 1)[-1] == pod.name
     mig = pod.config.mig
@@ -37,9 +42,13 @@ def matches(key: DeviceKey, pod: Pod) -> bool:
         return False
     if key.mig_uuid is not None:
         return key.mig_uuid == mig.mig_uuid
-    if key.gpu_uuid is None or key.gpu_uuid != mig.gpu_uuid:
+    gpu, instance = mig.gpu_uuid, mig.gpu_instance_id
+    if gpu is None and parents and mig.mig_uuid in parents:
+        gpu, learned = parents[mig.mig_uuid]
+        instance = learned if instance is None else instance
+    if key.gpu_uuid is None or key.gpu_uuid != gpu:
         return False
-    return key.gpu_instance_id is None or key.gpu_instance_id == mig.gpu_instance_id
+    return key.gpu_instance_id is None or key.gpu_instance_id == instance
 
 
 class DeviceFaults:
@@ -57,9 +66,14 @@ class DeviceFaults:
         self.by_source: dict[str, list[DeviceVerdict]] = {}
         self.sticky: dict[str, str] = {}  # pod name -> the fault that made it unroutable
         self.cleared: dict[str, set[str]] = {}  # pod name -> reasons cleared for it
+        self.parents: dict[str, tuple[str, int | None]] = {}  # MIG UUID -> (GPU UUID, GPU instance)
 
     def update(self, source: str, verdicts: list[DeviceVerdict]) -> None:
         self.by_source[source] = verdicts
+        for verdict in verdicts:
+            key = verdict.key
+            if key.mig_uuid is not None and key.gpu_uuid is not None:
+                self.parents[key.mig_uuid] = (key.gpu_uuid, key.gpu_instance_id)
 
     def fault_for(self, pod: Pod) -> str | None:
         cleared = self.cleared.get(pod.name, set())
@@ -68,12 +82,14 @@ class DeviceFaults:
                 verdict.reason
                 for verdicts in self.by_source.values()
                 for verdict in verdicts
-                if not verdict.healthy and matches(verdict.key, pod)
+                if not verdict.healthy and matches(verdict.key, pod, self.parents)
             }
         if pod.name not in self.sticky:
             for verdicts in self.by_source.values():
                 for verdict in verdicts:
-                    if not verdict.healthy and verdict.reason not in cleared and matches(verdict.key, pod):
+                    if verdict.healthy or verdict.reason in cleared:
+                        continue
+                    if matches(verdict.key, pod, self.parents):
                         self.sticky[pod.name] = f"{verdict.reason} ({verdict.source})"
                         break
         return self.sticky.get(pod.name)
@@ -83,7 +99,7 @@ class DeviceFaults:
         self.sticky.pop(pod.name, None)
         for verdicts in self.by_source.values():
             for verdict in verdicts:
-                if not verdict.healthy and matches(verdict.key, pod):
+                if not verdict.healthy and matches(verdict.key, pod, self.parents):
                     self.cleared.setdefault(pod.name, set()).add(verdict.reason)
 
 
