@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
+GRPCWEB_CLIENT := tests/grpcweb_client
+GRPCWEB_STAMP  := $(GRPCWEB_CLIENT)/node_modules/.installed-stamp
+
 .PHONY: setup run test lint bench soak clean
 
 $(STAMP): pyproject.toml
@@ -20,7 +23,14 @@ run: setup  ## gateway on 127.0.0.1:8080 in front of three simulated pods on MIG
 lint: setup
 	$(BIN)/ruff check .
 
-test: setup lint  ## unit and system tests over real sockets
+# The third-party gRPC-Web client (Connect for Node.js) the tests drive; skipped, with a reason, without npm.
+$(GRPCWEB_STAMP): $(GRPCWEB_CLIENT)/package.json $(GRPCWEB_CLIENT)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix $(GRPCWEB_CLIENT) --no-audit --no-fund --loglevel=error && touch $@ || \
+			echo "test: npm ci failed; the gRPC-Web client tests will be skipped"; \
+	else echo "test: npm not found; the gRPC-Web client tests will be skipped"; fi
+
+test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets
 	$(BIN)/python -m pytest -q
 
 bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it can
@@ -38,4 +48,4 @@ soak: setup  ## a minute of mixed pod faults under load: every request ends clea
 	$(BIN)/python -m loadtest.soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info $(GRPCWEB_CLIENT)/node_modules

@@ -24,6 +24,8 @@ from starlette.routing import Route
 from gateway.admit import ROUTES
 from gateway.config import Config
 from gateway.errors import error_body
+from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
+from gateway.grpc_web import GrpcWebEndpoint
 from gateway.metrics import GatewayMetrics
 from gateway.pods.discovery import discovery_loop, refresh_all
 from gateway.pods.dns import DnsDiscovery
@@ -49,6 +51,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._pod_client: PodClient | None = None
         self.relay = Relay(config, self.registry, self.metrics, self.pod_client)
+        self.grpc_web = GrpcWebEndpoint(self.relay)  # any origin may call it (CORS); see docs/grpc-web.md
         self.metrics.watch_runtime(
             lambda: len(asyncio.all_tasks()),
             lambda: self._pod_client.open_connections if self._pod_client else 0,
@@ -82,6 +85,9 @@ class Gateway:
             route = ROUTES.get(scope["path"])
             if route is not None:
                 await self.relay(scope, receive, send, route)
+                return
+            if scope["path"].startswith(GRPC_WEB_PREFIX):
+                await self.grpc_web(scope, receive, send)
                 return
         await self.control(scope, receive, send)
 
