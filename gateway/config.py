@@ -54,12 +54,27 @@ class PodConfig(_Frozen):
         return value.rstrip("/")
 
 
+class TlsConfig(_Frozen):
+    """A TLS listener (HTTP/1.1 and HTTP/2, chosen by ALPN) and, unless disabled, HTTP/3 over QUIC."""
+
+    cert: str = Field(min_length=1, description="PEM certificate (chain) file")
+    key: str = Field(min_length=1, description="PEM private key file")
+    port: int = Field(default=8443, ge=0, le=65535)
+    h3: bool = True
+    h3_port: int | None = Field(
+        default=None, ge=0, le=65535, description="UDP port for HTTP/3; default: the TLS port's number"
+    )
+
+
 class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     access_log: bool = True
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: how long streams may finish")
+    h2c: bool = Field(default=True, description="HTTP/2 with prior knowledge on the cleartext port")
+    max_concurrent_streams: int = Field(default=128, ge=1, description="per HTTP/2 connection")
+    tls: TlsConfig | None = None
 
 
 class UpstreamConfig(_Frozen):

@@ -1,24 +1,56 @@
-"""Run the gateway under uvicorn (uvloop + httptools: the cheapest HTTP/1.1 path measured here)."""
+"""Run the gateway: uvicorn's server (uvloop + httptools for HTTP/1.1, the cheapest path measured
+here) with the gateway's own HTTP/2 and HTTP/3 listeners beside it.
+
+Listeners, all on one event loop, serving the one ``Gateway`` app (one lifespan):
+
+- ``server.port`` (TCP, cleartext): HTTP/1.1, and HTTP/2 with prior knowledge (h2c) unless
+  ``server.h2c`` is off; the first bytes decide (``transports.h2_server.CleartextDispatch``).
+- ``server.tls.port`` (TCP, TLS): HTTP/2 or HTTP/1.1 by ALPN (``transports.h2_server.TlsDispatch``).
+- ``server.tls.h3_port`` (UDP, QUIC): HTTP/3 (``transports.h3_server``), unless ``server.tls.h3`` is
+  off; by default the same port number as the TLS listener.
+
+Every connection, whatever its protocol, joins uvicorn's ``server_state``: the SIGTERM drain and
+uvicorn's shutdown (``connection.shutdown()`` on each, then wait for them) cover all of them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
+import ssl
+import sys
+from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from gateway.app import Gateway
-from gateway.config import Config
+from gateway.config import Config, ConfigError
 from gateway.rlimits import raise_open_file_limit
 from transports.h1_disconnect import PromptH1Protocol
+from transports.h2_server import CleartextDispatch, H2Settings, TlsDispatch
+from transports.tls import TlsFilesError, server_context
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def configure_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+@dataclass
+class ExtraListeners:
+    """The listeners beside uvicorn's cleartext port (built before anything starts)."""
+
+    tls: ssl.SSLContext | None = None
+    tls_port: int = 8443
+    quic: Any = None  # an aioquic QuicConfiguration when HTTP/3 is on
+    h3_port: int | None = None  # None: the TLS listener's port number
+    h2: H2Settings = field(default_factory=H2Settings)
 
 
 class Server(uvicorn.Server):
@@ -31,9 +63,12 @@ class Server(uvicorn.Server):
     usual and the process exits 0. A second signal exits at once.
     """
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, extra: ExtraListeners | None = None) -> None:
         super().__init__(config)
         self.listening = asyncio.Event()
+        self.extra = extra or ExtraListeners()
+        self.urls: list[str] = []  # what each listener was announced as, cleartext first
+        self.h3: Any = None  # the HTTP/3 listener while it runs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -59,20 +94,107 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            # One machine-readable line on stdout: launchers wait for it instead of polling.
-            print(f"sluicegate listening on http://{host}:{port}", flush=True)
+            self.urls = [f"http://{_netloc(host, port)}"]
+            try:
+                await self._start_extra()
+            except OSError as exc:  # as uvicorn does when its own port is taken: exit 3
+                print(f"sluicegate: cannot listen: {exc}", file=sys.stderr, flush=True)
+                for server in self.servers:
+                    server.close()
+                if self.h3 is not None:
+                    self.h3.close()
+                await self.lifespan.shutdown()
+                sys.exit(STARTUP_FAILURE)
+            # Machine-readable lines on stdout, once every listener is up; launchers wait for the
+            # first (cleartext) one instead of polling.
+            print(f"sluicegate listening on {self.urls[0]}", flush=True)
+            for url in self.urls[1:]:
+                kind = "h3 " if url.startswith("udp:") else ""
+                print(f"sluicegate {kind}listening on {url}", flush=True)
             self.listening.set()
+
+    async def _start_extra(self) -> None:
+        """The TLS (h1/h2) and QUIC (h3) listeners, sharing uvicorn's state and the app."""
+        extra = self.extra
+        if extra.tls is None:
+            return
+        config = self.config
+        loop = asyncio.get_running_loop()
+        state = self.lifespan.state
+
+        def tls_protocol() -> TlsDispatch:
+            return TlsDispatch(config, self.server_state, state, loop, extra.h2)
+
+        server = await loop.create_server(
+            tls_protocol, host=config.host, port=extra.tls_port, ssl=extra.tls, backlog=config.backlog
+        )
+        self.servers.append(server)
+        host, tls_port = server.sockets[0].getsockname()[:2]
+        self.urls.append(f"https://{_netloc(host, tls_port)}")
+        if extra.quic is not None:
+            from transports.h3_server import H3Listener
+
+            self.h3 = H3Listener(config.loaded_app, extra.quic, self.server_state, state, config.root_path)
+            h3_host, h3_port = await self.h3.start(
+                config.host, extra.h3_port if extra.h3_port is not None else tls_port
+            )
+            self.urls.append(f"udp://{_netloc(h3_host, h3_port)}")
+            # Answers over TCP advertise HTTP/3 (RFC 7838), for clients that discover it that way.
+            relay = getattr(config.app, "relay", None)
+            if relay is not None and hasattr(relay, "alt_svc"):
+                relay.alt_svc = b'h3=":%d"; ma=86400' % h3_port
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.h3 is not None:
+            self.h3.stop_accepting()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if self.h3 is not None:
+                self.h3.close()
+                self.h3 = None
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def extra_listeners(config: Config) -> ExtraListeners:
+    """The TLS and QUIC listeners ``config`` asks for, their certificate loaded (``ConfigError``
+    naming the file when it cannot be)."""
+    h2 = H2Settings(max_concurrent_streams=config.server.max_concurrent_streams)
+    tls = config.server.tls
+    if tls is None:
+        return ExtraListeners(h2=h2)
+    try:
+        context = server_context(tls.cert, tls.key)
+        quic = None
+        if tls.h3:
+            from transports.h3_server import quic_configuration
+
+            quic = quic_configuration(tls.cert, tls.key)
+    except TlsFilesError as exc:
+        raise ConfigError(f"server.tls: {exc}") from None
+    except (ValueError, TypeError, OSError) as exc:  # aioquic's own loading of the PEM files
+        raise ConfigError(f"server.tls: cannot load {tls.cert!r} / {tls.key!r} for HTTP/3: {exc}") from None
+    return ExtraListeners(tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2)
 
 
 def build_server(config: Config, log_level: str = "info") -> Server:
-    """A uvicorn server for ``config``; uvicorn's own access log is off (the gateway writes its own)."""
+    """The server for ``config``; uvicorn's own access log is off (the gateway writes its own).
+
+    Raises ``ConfigError`` when the TLS certificate or key cannot be used."""
+    extra = extra_listeners(config)
     app = Gateway(config)
+    http: Any = PromptH1Protocol
+    if config.server.h2c:
+        http = functools.partial(CleartextDispatch, h2_settings=extra.h2)
     uv_config = uvicorn.Config(
         app,
         host=config.server.host,
         port=config.server.port,
         loop="uvloop",
-        http=PromptH1Protocol,
+        http=http,
         lifespan="on",
         access_log=False,
         log_config=None,
@@ -82,9 +204,14 @@ def build_server(config: Config, log_level: str = "info") -> Server:
         server_header=False,
         timeout_graceful_shutdown=5,
     )
-    return Server(uv_config)
+    return Server(uv_config, extra)
 
 
 def serve(config: Config, log_level: str = "info") -> None:
     raise_open_file_limit()
-    build_server(config, log_level).run()
+    try:
+        server = build_server(config, log_level)
+    except ConfigError as exc:
+        print(f"sluicegate: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    server.run()

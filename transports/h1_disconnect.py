@@ -11,6 +11,11 @@ milliseconds late. Two changes make it immediate:
   not keep half-open connections, so the transport closes right after.)
 - ``trip_on_disconnect`` swaps the request cycle's message event for one that calls back when the
   departure is reported, so the relay can close the pod connection there and then.
+
+The same function serves the gateway's own HTTP/2 and HTTP/3 listeners: their ``receive`` is bound
+to a stream object (``transports.asgi_stream.AsgiStream``) that offers ``watch_disconnect(on_gone)``
+and calls back from the protocol callback that saw RST_STREAM, STOP_SENDING, GOAWAY or the
+connection's end. Callers need not know which server they run under.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -57,19 +62,26 @@ class _Tripwire(asyncio.Event):
         self._on_gone = None
 
 
+class Disarmable(Protocol):
+    def disarm(self) -> None: ...
+
+
 def trip_on_disconnect(
     receive: Callable[[], Awaitable[Any]], on_gone: Callable[[], None]
-) -> _Tripwire | None:
-    """Call ``on_gone`` from uvicorn's ``connection_lost`` the moment the client goes away.
+) -> Disarmable | None:
+    """Call ``on_gone`` from the protocol's own I/O callback the moment the client goes away.
 
-    Returns the tripwire (``disarm()`` it once the response is complete), or None when ``receive``
-    is not a uvicorn HTTP/1.1 request cycle's; then the caller must await ``receive()`` itself.
-    Calls ``on_gone`` at once if the client has already left.
+    Under uvicorn's HTTP/1.1 that is ``eof_received``/``connection_lost``; under the gateway's
+    HTTP/2 and HTTP/3 listeners, the callback that saw the stream reset or the connection end
+    (``receive.__self__.watch_disconnect``). Returns a hook (``disarm()`` it once the response is
+    complete), or None when ``receive`` belongs to neither; then the caller must await
+    ``receive()`` itself. Calls ``on_gone`` at once if the client has already left.
     """
     cycle = getattr(receive, "__self__", None)
     event = getattr(cycle, "message_event", None)
     if type(event) is not asyncio.Event or not isinstance(getattr(cycle, "disconnected", None), bool):
-        return None
+        watch = getattr(cycle, "watch_disconnect", None)
+        return watch(on_gone) if watch is not None else None
     wire = _Tripwire(cycle, on_gone)
     if event.is_set():
         asyncio.Event.set(wire)

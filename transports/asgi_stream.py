@@ -1,0 +1,345 @@
+"""One HTTP/2 or HTTP/3 request stream as an ASGI ``http`` call: scope, ``receive``, ``send``.
+
+The HTTP/2 and HTTP/3 listeners (``transports/h2_server.py``, ``transports/h3_server.py``) are
+sans-IO state machines (h2, aioquic) driven by small asyncio protocols; everything they share about
+running the app for one stream lives here. A connection hands each stream to an ``AsgiStream`` and
+tells it what the peer did (``feed_body``, ``feed_end``, ``lost``, ``writable``); the stream calls
+back into the connection (``StreamConnection``) to write headers and data.
+
+The three promises the rest of the gateway relies on:
+
+- **Disconnects are reported at once.** When the peer resets the stream or the connection goes,
+  ``lost()`` runs inside the protocol callback that learned it: ``receive()`` returns
+  ``http.disconnect``, a ``send()`` waiting for room wakes up and returns, and the callback the app
+  registered through ``watch_disconnect`` (see ``transports/h1_disconnect.trip_on_disconnect``, used
+  by the relay's ``DisconnectWatch``) runs right there, so the pod request can be closed without
+  waiting for a task to be scheduled.
+- **Back-pressure, bounded buffers.** ``send()`` hands the body to the connection, which writes what
+  flow control allows; while the stream's window is closed or the connection's output is above its
+  high-water mark, ``send()`` does not return. Nothing is queued beyond the one chunk in hand.
+- **After the response (or the client) is gone, sends are no-ops**, as under uvicorn.
+
+The hot path, one body chunk: a dict lookup or two, one call into the connection (which frames it
+and schedules one write per connection per event-loop turn), no task, queue or copy of our own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import urllib.parse
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+logger = logging.getLogger("sluicegate.transports")
+
+Headers = list[tuple[bytes, bytes]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+
+# Connection-specific headers are forbidden in HTTP/2 and HTTP/3 responses (RFC 9113 section
+# 8.2.2, RFC 9114 section 4.2); an app written for HTTP/1.1 may still send them (the gateway's drain
+# answer carries "connection: close"), so they are dropped rather than failing the response.
+_BAD_NAME = re.compile(rb"[^a-z0-9!#$%&'*+\-.^_`|~]")  # after lower-casing; RFC 9110 token
+_BAD_VALUE = re.compile(rb"[\x00\r\n]")  # RFC 9113 section 8.2.1, RFC 9114 section 4.2
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
+
+
+class StreamConnection(Protocol):
+    """What an HTTP/2 or HTTP/3 connection does for its streams."""
+
+    def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
+        """Write the response's HEADERS (``headers`` begins with ``:status``)."""
+
+    def send_data(self, stream: AsgiStream, data: bytes, end_stream: bool) -> bool:
+        """Write ``data`` as far as flow control allows and keep the rest (at most this chunk).
+
+        True: go on. False: the caller waits until the connection calls ``stream.writable()`` (all
+        of ``data`` is out and the connection's output is below its high-water mark) or
+        ``stream.lost()``."""
+
+    def consumed(self, stream: AsgiStream, size: int) -> None:
+        """The app has read ``size`` flow-controlled bytes of the request body: open the window."""
+
+    def abort(self, stream: AsgiStream) -> None:
+        """Reset the stream (the app failed after the response started)."""
+
+    def stream_done(self, stream: AsgiStream) -> None:
+        """The app has returned: forget the stream."""
+
+
+class DisconnectHook:
+    """A registered on-disconnect callback; ``disarm()`` it once the response is complete."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: AsgiStream) -> None:
+        self._stream: AsgiStream | None = stream
+
+    def disarm(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            stream.on_gone = None
+            self._stream = None
+
+
+class AsgiStream:
+    """One request: the ASGI ``receive``/``send`` pair and the stream's state (see module doc)."""
+
+    __slots__ = (
+        "_body",
+        "_body_done",
+        "_delivered_end",
+        "_rx_waiter",
+        "_tx_waiter",
+        "closed",
+        "conn",
+        "ended",
+        "gone",
+        "on_gone",
+        "scope",
+        "started",
+        "stream_id",
+        "task",
+        "unconsumed",
+    )
+
+    def __init__(self, conn: StreamConnection, stream_id: int, scope: dict[str, Any]) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.scope = scope
+        self.task: asyncio.Task[None] | None = None
+        self.started = False  # response headers sent
+        self.ended = False  # the last byte of the response handed to the connection
+        self.gone = False  # the client reset the stream or the connection is lost
+        self.closed = False  # ended or gone: sends are no-ops
+        self.on_gone: Callable[[], None] | None = None
+        self.unconsumed = 0  # flow-controlled request bytes received, not yet read by the app
+        self._body: deque[tuple[bytes, int]] = deque()
+        self._body_done = False  # the request's END_STREAM / FIN has arrived
+        self._delivered_end = False  # receive() has returned more_body=False
+        self._rx_waiter: asyncio.Event | None = None  # an Event: receive() may have several waiters
+        self._tx_waiter: asyncio.Future[None] | None = None
+
+    # -- told by the connection ------------------------------------------------------------------
+
+    def feed_body(self, data: bytes, flow_size: int) -> None:
+        if self.gone or self._delivered_end:
+            self.conn.consumed(self, flow_size)  # nobody will read it: give the window back now
+            return
+        self._body.append((data, flow_size))
+        self.unconsumed += flow_size
+        self._notify_rx()
+
+    def feed_end(self) -> None:
+        self._body_done = True
+        self._notify_rx()
+
+    def lost(self) -> None:
+        """The client reset the stream, or the connection is gone: tell everyone, now."""
+        if self.gone:
+            return
+        self.gone = True
+        was_closed, self.closed = self.closed, True
+        self._notify_rx()
+        _wake(self._tx_waiter)
+        on_gone, self.on_gone = self.on_gone, None
+        if on_gone is not None and not was_closed:
+            try:
+                on_gone()
+            except Exception:  # the connection's own clean-up must still run
+                logger.exception("disconnect callback failed")
+
+    def writable(self) -> None:
+        """The data of the last ``send_data`` is out and the connection has room again."""
+        _wake(self._tx_waiter)
+
+    @property
+    def request_complete(self) -> bool:
+        """The request's end (END_STREAM / FIN) has arrived."""
+        return self._body_done
+
+    # -- ASGI ------------------------------------------------------------------------------------
+
+    def watch_disconnect(self, on_gone: Callable[[], None]) -> DisconnectHook:
+        """Call ``on_gone`` from the protocol callback that learns the client left (at once if it
+        already has). The relay's ``DisconnectWatch`` registers here through ``trip_on_disconnect``."""
+        hook = DisconnectHook(self)
+        if self.gone:
+            on_gone()
+        elif not self.ended:
+            self.on_gone = on_gone
+        return hook
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._delivered_end and not self.gone:
+            body = self._body
+            while not body and not self._body_done and not self.gone:
+                await self._wait_rx()
+            if body:
+                data, size = body.popleft()
+                self.unconsumed -= size
+                if size:
+                    self.conn.consumed(self, size)
+                more = bool(body) or not self._body_done
+                self._delivered_end = not more
+                return {"type": "http.request", "body": data, "more_body": more}
+            if not self.gone:
+                self._delivered_end = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+        while not self.closed:
+            await self._wait_rx()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        kind = message["type"]
+        if kind == "http.response.body" and self.started:
+            body = message.get("body", b"")
+            if message.get("more_body", False):
+                if body and not self.conn.send_data(self, body, False):
+                    await self._wait_tx()
+                return
+            self.ended = True
+            if not self.conn.send_data(self, body, True):
+                await self._wait_tx()
+            self._finish()
+        elif kind == "http.response.start" and not self.started:
+            headers = [(b":status", b"%d" % message["status"])]
+            for name, value in message.get("headers", ()):
+                name = name.lower()
+                if _BAD_NAME.search(name) or not name or _BAD_VALUE.search(value):
+                    # as uvicorn's HTTP/1.1 does; sent, it would break the whole connection
+                    raise RuntimeError(f"invalid HTTP response header {name!r}: {value!r}")
+                if name not in _HOP_BY_HOP:
+                    headers.append((name, value))
+            self.started = True
+            self.conn.send_headers(self, headers, False)
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r} at this point of the response")
+
+    # -- running the app -------------------------------------------------------------------------
+
+    async def run(self, app: ASGIApp) -> None:
+        """The app for this stream, with uvicorn's rules for apps that fail or return early."""
+        try:
+            await app(self.scope, self.receive, self.send)
+        except asyncio.CancelledError:
+            if not self.closed:
+                self.conn.abort(self)
+        except Exception:
+            logger.exception("exception in ASGI application")
+            await self._fail()
+        else:
+            if not self.closed:
+                logger.error("ASGI callable returned without %s the response",
+                             "completing" if self.started else "starting")
+                await self._fail()
+        finally:
+            self.closed = True
+            self.on_gone = None
+            self.conn.stream_done(self)
+
+    async def _fail(self) -> None:
+        if self.closed:
+            return
+        if self.started:
+            self.conn.abort(self)
+            self._finish()
+            return
+        await self.send({"type": "http.response.start", "status": 500, "headers": [
+            (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21")]})
+        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+
+    def _finish(self) -> None:
+        self.ended = True
+        self.closed = True
+        self.on_gone = None
+        self._notify_rx()  # a pending receive() now returns http.disconnect, as under uvicorn
+
+    def _notify_rx(self) -> None:
+        if self._rx_waiter is not None:
+            self._rx_waiter.set()
+
+    async def _wait_rx(self) -> None:
+        waiter = self._rx_waiter
+        if waiter is None:
+            waiter = self._rx_waiter = asyncio.Event()
+        waiter.clear()  # callers re-check their condition after every wake-up
+        await waiter.wait()
+
+    async def _wait_tx(self) -> None:
+        if self.gone:
+            return
+        waiter = self._tx_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._tx_waiter = None
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+def request_scope(
+    *,
+    http_version: str,
+    scheme: str,
+    headers: Headers,
+    server: tuple[str, int] | None,
+    client: tuple[str, int] | None,
+    root_path: str = "",
+    state: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """The ASGI ``http`` scope for a request's header block (pseudo-headers included), or None
+    when it lacks ``:method`` or ``:path`` (the caller resets the stream)."""
+    method = path = authority = None
+    regular: Headers = []
+    for name, value in headers:
+        if name[:1] == b":":
+            if name == b":method":
+                method = value
+            elif name == b":path":
+                path = value
+            elif name == b":authority":
+                authority = value
+            # :scheme is the client's view; the scope's scheme is the listener's (TLS or not)
+        else:
+            regular.append((name.lower(), value))
+    if method is None or path is None:
+        return None
+    if authority is not None and not any(name == b"host" for name, _ in regular):
+        regular.insert(0, (b"host", authority))
+    raw_path, _, query = path.partition(b"?")
+    decoded = raw_path.decode("latin-1")
+    if "%" in decoded:
+        decoded = urllib.parse.unquote(decoded)
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": http_version,
+        "method": method.decode("latin-1"),
+        "scheme": scheme,
+        "path": root_path + decoded,
+        "raw_path": root_path.encode() + raw_path,
+        "query_string": query,
+        "root_path": root_path,
+        "headers": regular,
+        "server": server,
+        "client": client,
+        "state": dict(state) if state else {},
+        "extensions": {},
+    }
+
+
+def peer_address(addr: Any) -> tuple[str, int] | None:
+    """(host, port) from a socket address (IPv4 or IPv6 tuple), else None."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return str(addr[0]), int(addr[1])
+    return None

@@ -1,0 +1,530 @@
+"""HTTP/2 for the gateway: an asyncio protocol on the h2 state machine, and the listeners' dispatch.
+
+``H2Protocol`` drives one ``h2.connection.H2Connection`` (server side) and runs the ASGI app once per
+stream through ``transports.asgi_stream.AsgiStream``. Each listener still starts as uvicorn would
+(one protocol object per accepted connection, built from uvicorn's ``config``, ``server_state`` and
+``app_state``) and then hands the transport to the protocol the connection speaks:
+
+- cleartext port: ``CleartextDispatch`` reads the first bytes. The HTTP/2 connection preface
+  (``PRI * HTTP/2.0``, "prior knowledge" h2c) → ``H2Protocol``; anything else → uvicorn's HTTP/1.1
+  protocol (``PromptH1Protocol``), fed the bytes already read. Only the first read pays for this.
+- TLS port: ``TlsDispatch`` looks at the ALPN the handshake chose: ``h2`` → ``H2Protocol``, else
+  HTTP/1.1.
+
+Design points (see docs/transports.md):
+
+- **Disconnects**: RST_STREAM on a stream, a GOAWAY from the client (h2 can send nothing after one),
+  EOF or a lost connection → ``AsgiStream.lost()`` for the streams concerned, from the I/O callback.
+- **Flow control, both ways**: request bodies are acknowledged (WINDOW_UPDATE) as the app reads
+  them, so a client cannot make the gateway buffer more than the window; a response chunk larger
+  than the peer's window is sent as far as the window goes and the rest waits (the app's ``send()``
+  with it) for WINDOW_UPDATE. When the transport's buffer passes its high-water mark every stream's
+  next ``send()`` waits for ``resume_writing``.
+- **One write per connection per loop turn**: frames accumulate in h2's output buffer and a single
+  ``transport.write`` (scheduled with ``call_soon``) sends what every stream produced meanwhile.
+- **Graceful shutdown**: ``shutdown()`` (called by uvicorn's server for every connection) refuses
+  new streams (REFUSED_STREAM), lets the open ones finish, then sends GOAWAY and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+from h2.connection import ConnectionState
+from h2.errors import ErrorCodes
+from h2.stream import StreamState
+
+from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
+from transports.h1_disconnect import PromptH1Protocol
+
+logger = logging.getLogger("sluicegate.transports")
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FLUSH_AT = 64 * 1024  # write at once, not at the end of the loop turn, past this many unwritten bytes
+_DEFAULT_WINDOW = 65_535
+_DATA_FRAME_HEADER = struct.Struct(">HBBBL")  # 24-bit length (16 + 8), type 0 (DATA), flags 0, stream
+_SENDABLE = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
+_SERVER_OPEN = ConnectionState.SERVER_OPEN
+
+
+@dataclass(frozen=True, slots=True)
+class H2Settings:
+    """What this server announces and enforces per HTTP/2 connection."""
+
+    max_concurrent_streams: int = 128
+    initial_window_size: int = 256 * 1024  # per stream, for request bodies
+    connection_window_size: int = 1024 * 1024  # all streams' request bodies together
+    max_header_list_size: int = 64 * 1024
+
+
+class H2Protocol(asyncio.Protocol):
+    """One HTTP/2 connection (cleartext or TLS): h2 events in, ASGI streams out."""
+
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        settings: H2Settings | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.app = config.loaded_app
+        self.root_path: str = config.root_path
+        self.server_state = server_state
+        self.app_state = app_state
+        self.settings = settings or H2Settings()
+        self.loop = _loop or asyncio.get_event_loop()
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=False, header_encoding=None)
+        )
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, AsgiStream] = {}
+        self.scheme = "http"
+        self.server: tuple[str, int] | None = None
+        self.client: tuple[str, int] | None = None
+        self.write_paused = False
+        self.closing = False  # shutting down: no new streams, GOAWAY and close after the last one
+        self.idle_timeout_s: float = config.timeout_keep_alive
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._blocked: dict[int, tuple[AsgiStream, memoryview, bool]] = {}  # waiting for window
+        self._write_waiters: list[AsgiStream] = []  # waiting for the transport to drain
+        self._flush_handle: asyncio.Handle | None = None
+        self._unflushed = 0  # body bytes framed since the last write
+        self._max_frame = self.h2.max_outbound_frame_size
+        self._handlers = {
+            h2.events.RequestReceived: self._on_request,
+            h2.events.DataReceived: self._on_data,
+            h2.events.StreamEnded: self._on_stream_ended,
+            h2.events.StreamReset: self._on_stream_reset,
+            h2.events.WindowUpdated: self._on_window_updated,
+            h2.events.RemoteSettingsChanged: self._on_settings_changed,
+            h2.events.ConnectionTerminated: self._on_goaway,
+        }
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        self.server_state.connections.add(self)
+        self.scheme = "https" if transport.get_extra_info("ssl_object") is not None else "http"
+        self.server = peer_address(transport.get_extra_info("sockname"))
+        self.client = peer_address(transport.get_extra_info("peername"))
+        s = self.settings
+        self.h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.initial_window_size,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
+            },
+        )
+        self.h2.initiate_connection()
+        if s.connection_window_size > _DEFAULT_WINDOW:
+            self.h2.increment_flow_control_window(s.connection_window_size - _DEFAULT_WINDOW)
+        self._flush()
+        self._arm_idle_timer()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            # h2 has queued a GOAWAY with the right error code: send it and hang up.
+            logger.debug("HTTP/2 protocol error from %s: %s", self.client, exc)
+            self._flush()
+            self._close()
+            return
+        handlers = self._handlers
+        for event in events:
+            handler = handlers.get(type(event))
+            if handler is not None:
+                handler(event)
+        self._flush()
+
+    def eof_received(self) -> bool | None:
+        self._lose_all()
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._lose_all()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiters, self._write_waiters = self._write_waiters, []
+        for stream in waiters:
+            stream.writable()
+
+    # -- uvicorn's server: graceful shutdown ----------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop taking streams, let the open ones finish, then GOAWAY and close.
+
+        The GOAWAY waits for the last stream: clients built on the h2 library (httpx, among others)
+        fail every stream still open when a GOAWAY arrives, since h2 accepts no frame after one.
+        Meanwhile a new stream is refused with REFUSED_STREAM, which tells the client it was not
+        processed and may be retried on another connection."""
+        if self.closing or self.transport is None:
+            return
+        self.closing = True
+        if not self.streams:
+            self._close_gracefully()
+
+    # -- h2 events -------------------------------------------------------------------------------
+
+    def _on_request(self, event: h2.events.RequestReceived) -> None:
+        sid = event.stream_id
+        if self.closing:
+            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            return
+        scope = request_scope(
+            http_version="2",
+            scheme=self.scheme,
+            headers=event.headers,
+            server=self.server,
+            client=self.client,
+            root_path=self.root_path,
+            state=self.app_state,
+        )
+        if scope is None:
+            self.h2.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            return
+        stream = AsgiStream(self, sid, scope)
+        self.streams[sid] = stream
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        task = self.loop.create_task(stream.run(self.app))
+        stream.task = task
+        tasks = self.server_state.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def _on_data(self, event: h2.events.DataReceived) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is not None:
+            stream.feed_body(event.data, event.flow_controlled_length)
+        elif event.flow_controlled_length:
+            self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+
+    def _on_stream_ended(self, event: h2.events.StreamEnded) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is not None:
+            stream.feed_end()
+
+    def _on_stream_reset(self, event: h2.events.StreamReset) -> None:
+        self._blocked.pop(event.stream_id, None)
+        stream = self.streams.get(event.stream_id)
+        if stream is not None:
+            stream.lost()
+
+    def _on_window_updated(self, event: h2.events.WindowUpdated) -> None:
+        if not self._blocked:
+            return
+        if event.stream_id == 0:
+            for sid in list(self._blocked):
+                self._unblock(sid)
+        elif event.stream_id in self._blocked:
+            self._unblock(event.stream_id)
+
+    def _on_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> None:
+        self._max_frame = self.h2.max_outbound_frame_size
+        for sid in list(self._blocked):  # a larger initial window may open blocked streams
+            self._unblock(sid)
+
+    def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+        # h2 sends nothing after a peer's GOAWAY, so every stream is over for the client.
+        self._lose_all()
+        self._close()
+
+    # -- StreamConnection (called by AsgiStream) -------------------------------------------------
+
+    def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
+        headers.extend(self.server_state.default_headers)
+        try:
+            self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError) as exc:
+            # a closed stream, or headers h2 refuses (e.g. a newline in a value): the answer cannot go
+            logger.warning("cannot send response headers on stream %d: %s", stream.stream_id, exc)
+            self.abort(stream)
+            stream.lost()
+            return
+        self._flush_soon()
+
+    def send_data(self, stream: AsgiStream, data: bytes, end_stream: bool) -> bool:
+        sid = stream.stream_id
+        conn = self.h2
+        size = len(data)
+        h2_stream = conn.streams.get(sid)
+        if (
+            # The hot path, a body chunk mid-response that fits the windows and one frame: frame it
+            # here. h2's own send_data costs ~16 us a call on this machine (two state machines,
+            # frame objects, serialization), more than the rest of the relay per token; what it
+            # would do for such a frame is exactly this: check the states, take the size off both
+            # windows, append the frame to the output buffer.
+            h2_stream is not None
+            and size
+            and not end_stream
+            and size <= self._max_frame
+            and size <= conn.outbound_flow_control_window
+            and size <= h2_stream.outbound_flow_control_window
+            and h2_stream.state_machine.state in _SENDABLE
+            and conn.state_machine.state is _SERVER_OPEN
+        ):
+            h2_stream.outbound_flow_control_window -= size
+            conn.outbound_flow_control_window -= size
+            out = conn._data_to_send
+            out += _DATA_FRAME_HEADER.pack(size >> 8, size & 0xFF, 0, 0, sid)
+            out += data
+        else:
+            try:
+                if size <= self._max_frame and size <= conn.local_flow_control_window(sid):
+                    conn.send_data(sid, data, end_stream=end_stream)
+                else:
+                    self._blocked[sid] = (stream, memoryview(data), end_stream)
+                    self._push(sid)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                self._blocked.pop(sid, None)
+                stream.lost()
+                return True
+        self._unflushed += len(data)
+        if self._unflushed > FLUSH_AT:
+            self._flush()  # an app that never yields must still meet the transport's high-water mark
+        elif self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self._scheduled_flush)
+        if sid in self._blocked:
+            return False  # _unblock wakes it
+        if self.write_paused:
+            self._write_waiters.append(stream)
+            return False
+        return True
+
+    def consumed(self, stream: AsgiStream, size: int) -> None:
+        try:
+            self.h2.acknowledge_received_data(size, stream.stream_id)
+        except h2.exceptions.ProtocolError:
+            return
+        self._flush_soon()
+
+    def abort(self, stream: AsgiStream) -> None:
+        self._blocked.pop(stream.stream_id, None)
+        try:
+            self.h2.reset_stream(stream.stream_id, ErrorCodes.INTERNAL_ERROR)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            return
+        self._flush_soon()
+
+    def stream_done(self, stream: AsgiStream) -> None:
+        sid = stream.stream_id
+        self.streams.pop(sid, None)
+        self._blocked.pop(sid, None)
+        if stream.unconsumed:
+            self.consumed(stream, stream.unconsumed)
+            stream.unconsumed = 0
+        if stream.ended and not stream.gone and not stream.request_complete:
+            # Complete answer, request body still coming: ask the client to stop (RFC 9113 8.1).
+            with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+            self._flush_soon()
+        if not self.streams:
+            if self.closing:
+                self._close_gracefully()
+            else:
+                self._arm_idle_timer()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _push(self, sid: int) -> None:
+        """Send as much of a blocked stream's chunk as the window allows (in frame-sized pieces)."""
+        stream, view, end = self._blocked[sid]
+        conn = self.h2
+        while True:
+            size = min(len(view), conn.local_flow_control_window(sid), self._max_frame)
+            last = size == len(view)
+            if size <= 0 and not last:
+                self._blocked[sid] = (stream, view, end)
+                return
+            conn.send_data(sid, view[:size].tobytes(), end_stream=end and last)
+            if last:
+                del self._blocked[sid]
+                return
+            view = view[size:]
+
+    def _unblock(self, sid: int) -> None:
+        stream = self._blocked[sid][0]
+        try:
+            self._push(sid)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._blocked.pop(sid, None)
+            stream.lost()
+            return
+        if sid not in self._blocked:
+            if self.write_paused:
+                self._write_waiters.append(stream)
+            else:
+                stream.writable()
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_handle = None
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._unflushed = 0
+        data = self.h2.data_to_send()
+        transport = self.transport
+        if data and transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    def _arm_idle_timer(self) -> None:
+        """Close a connection without streams after uvicorn's keep-alive timeout, as HTTP/1.1 does."""
+        if self.idle_timeout_s > 0 and self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(self.idle_timeout_s, self._idle)
+
+    def _idle(self) -> None:
+        self._idle_timer = None
+        if not self.streams:
+            self._close_gracefully()
+
+    def _lose_all(self) -> None:
+        self._blocked.clear()
+        self._write_waiters.clear()
+        for stream in list(self.streams.values()):
+            stream.lost()
+
+    def _close_gracefully(self) -> None:
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection()
+        self._flush()
+        self._close()
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class CleartextDispatch(asyncio.Protocol):
+    """The cleartext port: HTTP/2 with prior knowledge (h2c) or HTTP/1.1, by the first bytes."""
+
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        h2_settings: H2Settings | None = None,
+    ) -> None:
+        self.config = config
+        self.server_state = server_state
+        self.app_state = app_state
+        self.loop = _loop
+        self.h2_settings = h2_settings
+        self.transport: asyncio.Transport | None = None
+        self._head = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        self.server_state.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        head = self._head + data if self._head else data
+        if len(head) < len(PREFACE) and PREFACE.startswith(head):
+            self._head = head  # could still be the preface: wait for the rest
+            return
+        self._head = b""
+        protocol: asyncio.Protocol
+        if head.startswith(PREFACE):
+            protocol = H2Protocol(self.config, self.server_state, self.app_state, self.loop, self.h2_settings)
+        else:
+            protocol = PromptH1Protocol(
+                config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
+            )
+        hand_over(self, protocol, head)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class TlsDispatch(asyncio.Protocol):
+    """The TLS port: ALPN ``h2`` → HTTP/2, anything else (or none) → HTTP/1.1.
+
+    asyncio calls ``connection_made`` once the handshake is done, when the ALPN choice is known;
+    the protocol that speaks it takes over right there."""
+
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        h2_settings: H2Settings | None = None,
+    ) -> None:
+        self.config = config
+        self.server_state = server_state
+        self.app_state = app_state
+        self.loop = _loop
+        self.h2_settings = h2_settings
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        ssl_object = transport.get_extra_info("ssl_object")
+        alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+        protocol: asyncio.Protocol
+        if alpn == "h2":
+            protocol = H2Protocol(self.config, self.server_state, self.app_state, self.loop, self.h2_settings)
+        else:
+            protocol = PromptH1Protocol(
+                config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
+            )
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:  # pragma: no cover - replaced before any data
+        raise RuntimeError("TlsDispatch received data after handing the connection over")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
+
+
+def hand_over(dispatch: CleartextDispatch, protocol: asyncio.Protocol, head: bytes) -> None:
+    """Make ``protocol`` the transport's protocol and feed it the bytes read so far."""
+    transport = dispatch.transport
+    assert transport is not None
+    dispatch.server_state.connections.discard(dispatch)
+    transport.set_protocol(protocol)
+    protocol.connection_made(transport)
+    if head and not transport.is_closing():
+        protocol.data_received(head)

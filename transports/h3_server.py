@@ -1,0 +1,333 @@
+"""HTTP/3 for the gateway: aioquic's QUIC server with its ``H3Connection``, one ASGI call per stream.
+
+``H3Protocol`` is aioquic's ``QuicConnectionProtocol`` for one QUIC connection; once the handshake
+has chosen ALPN ``h3`` it feeds QUIC events to an ``H3Connection`` and runs the app once per request
+stream through ``transports.asgi_stream.AsgiStream`` (shared with HTTP/2). ``H3Listener`` starts it
+on a UDP port with ``aioquic.asyncio.serve``.
+
+What aioquic leaves to its user, and how it is done here (see docs/transports.md):
+
+- **Disconnects.** A client that cancels a response sends STOP_SENDING (aioquic then resets our
+  sending side and reports ``StopSendingReceived``) and, if its request was still open, RESET_STREAM
+  (``StreamReset``); a connection that closes, or goes silent past the idle timeout, ends with
+  ``ConnectionTerminated``. Each reaches ``AsgiStream.lost()`` in the datagram (or timer) callback:
+  ``http.disconnect`` at once, the relay's callback at once, and no later write to the reset stream
+  (aioquic would raise on it).
+- **Back-pressure.** aioquic queues whatever is written to a stream without limit. A ``send()`` whose
+  stream has more than ``HIGH_WATER`` bytes not yet put into packets (the peer's flow-control window
+  or the congestion window holds them back) waits until ``transmit()`` has sent it below
+  ``LOW_WATER``; ``transmit()`` runs after every datagram received (ACKs, MAX_STREAM_DATA) and timer.
+  So a client that stops reading costs its window plus ``HIGH_WATER`` per stream, no more.
+- **One transmit per connection per loop turn**: sends only schedule ``transmit`` (aioquic's
+  ``_transmit_soon``), which builds and encrypts the packets for everything written meanwhile.
+- **Graceful shutdown**: ``shutdown()`` sends an HTTP/3 GOAWAY on the control stream, refuses newer
+  request streams (H3_REQUEST_REJECTED), and closes the connection when the open ones end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from aioquic.asyncio import serve as quic_serve
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, encode_frame
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.h3.exceptions import H3Error
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
+
+from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
+
+logger = logging.getLogger("sluicegate.transports")
+
+HIGH_WATER = 64 * 1024  # bytes written to a stream and not yet sent: above this, send() waits
+LOW_WATER = 16 * 1024  # ... until transmit() has sent it below this
+
+_SEND_ERRORS = (H3Error, AssertionError, RuntimeError, ValueError)
+
+
+def quic_configuration(
+    cert: str | Path,
+    key: str | Path,
+    *,
+    idle_timeout_s: float = 30.0,
+    max_stream_data: int = 256 * 1024,
+    max_data: int = 1024 * 1024,
+) -> QuicConfiguration:
+    """The server's QUIC/TLS 1.3 settings from the same PEM files as the TLS listener (ALPN h3)."""
+    configuration = QuicConfiguration(
+        is_client=False,
+        alpn_protocols=H3_ALPN,
+        idle_timeout=idle_timeout_s,
+        max_stream_data=max_stream_data,
+        max_data=max_data,
+    )
+    configuration.load_cert_chain(str(cert), str(key))
+    return configuration
+
+
+def _unsent(quic: QuicConnection, stream_id: int) -> int:
+    """Bytes written to a stream that aioquic has not yet put into a packet (0 if it is gone).
+
+    aioquic keeps no such count; ``QuicStreamSender`` holds the buffer's end offset and the highest
+    offset ever sent (internals, checked by tests/test_h3_server.py)."""
+    stream = quic._streams.get(stream_id)
+    if stream is None:
+        return 0
+    sender = stream.sender
+    return sender._buffer_stop - sender.highest_offset
+
+
+class H3Protocol(QuicConnectionProtocol):
+    """One QUIC connection speaking HTTP/3 to the ASGI app."""
+
+    def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, listener: H3Listener) -> None:
+        super().__init__(quic, stream_handler)
+        self.listener = listener
+        self.app = listener.app
+        self.server_state = listener.server_state
+        self.h3: H3Connection | None = None
+        self.streams: dict[int, AsgiStream] = {}
+        self.client: tuple[str, int] | None = None
+        self.closing = False
+        self._highest_stream = -4
+        self._blocked: dict[int, AsgiStream] = {}
+
+    # -- QuicConnectionProtocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server_state.connections.add(self)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if self.client is None:
+            self.client = peer_address(addr)
+        super().datagram_received(data, addr)
+
+    def transmit(self) -> None:
+        super().transmit()
+        if self._blocked:
+            quic = self._quic
+            for sid, stream in list(self._blocked.items()):
+                if _unsent(quic, sid) <= LOW_WATER:
+                    del self._blocked[sid]
+                    stream.writable()
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        h3 = self.h3
+        if h3 is None:
+            if isinstance(event, ProtocolNegotiated):
+                if event.alpn_protocol in H3_ALPN:
+                    self.h3 = H3Connection(self._quic)
+                    if not self.listener.accepting:
+                        self._refuse_connection()
+            elif isinstance(event, ConnectionTerminated):
+                self._terminated()
+            return
+        for h3_event in h3.handle_event(event):
+            if isinstance(h3_event, DataReceived):
+                stream = self.streams.get(h3_event.stream_id)
+                if stream is not None:
+                    if h3_event.data:
+                        stream.feed_body(h3_event.data, 0)
+                    if h3_event.stream_ended:
+                        stream.feed_end()
+            elif isinstance(h3_event, HeadersReceived):
+                self._on_headers(h3_event)
+        if isinstance(event, StopSendingReceived | StreamReset):
+            self._on_cancel(event.stream_id, isinstance(event, StreamReset))
+        elif isinstance(event, ConnectionTerminated):
+            self._terminated()
+
+    # -- uvicorn's server: graceful shutdown ----------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Send GOAWAY, refuse newer request streams, close once the open ones are done."""
+        if self.closing:
+            return
+        self.closing = True
+        h3 = self.h3
+        control = getattr(h3, "_local_control_stream_id", None)
+        if h3 is not None and control is not None and self.streams:
+            # aioquic has no GOAWAY of its own; the frame carries the first stream id not served.
+            frame = encode_frame(FrameType.GOAWAY, encode_uint_var(self._highest_stream + 4))
+            self._quic.send_stream_data(control, frame)
+            self._transmit_soon()
+        else:
+            self._close_connection()
+
+    # -- HTTP/3 events ---------------------------------------------------------------------------
+
+    def _on_headers(self, event: HeadersReceived) -> None:
+        sid = event.stream_id
+        stream = self.streams.get(sid)
+        if stream is not None:  # trailers
+            if event.stream_ended:
+                stream.feed_end()
+            return
+        if sid <= self._highest_stream:
+            return  # a late HEADERS for a stream already served and forgotten
+        self._highest_stream = sid
+        if self.closing:
+            self._quic.reset_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
+            self._quic.stop_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
+            self._transmit_soon()
+            return
+        sockname = self._transport.get_extra_info("sockname") if self._transport is not None else None
+        scope = request_scope(
+            http_version="3",
+            scheme="https",
+            headers=event.headers,
+            server=peer_address(sockname),
+            client=self.client,
+            root_path=self.listener.root_path,
+            state=self.listener.app_state,
+        )
+        if scope is None:
+            self._quic.reset_stream(sid, ErrorCode.H3_MESSAGE_ERROR)
+            self._transmit_soon()
+            return
+        stream = AsgiStream(self, sid, scope)
+        self.streams[sid] = stream
+        if event.stream_ended:
+            stream.feed_end()
+        task = self._loop.create_task(stream.run(self.app))
+        stream.task = task
+        tasks = self.server_state.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def _on_cancel(self, stream_id: int, request_reset: bool) -> None:
+        """STOP_SENDING (our sending side is already reset) or RESET_STREAM of the request."""
+        self._blocked.pop(stream_id, None)
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        if request_reset and not stream.closed:
+            # The request is abandoned: stop our side too (no-op after STOP_SENDING or the end).
+            with contextlib.suppress(ValueError):
+                self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._transmit_soon()
+        stream.lost()
+
+    def _terminated(self) -> None:
+        self.server_state.connections.discard(self)
+        self._blocked.clear()
+        for stream in list(self.streams.values()):
+            stream.lost()
+
+    # -- StreamConnection (called by AsgiStream) -------------------------------------------------
+
+    def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
+        assert self.h3 is not None
+        headers.extend(self.server_state.default_headers)
+        try:
+            self.h3.send_headers(stream.stream_id, headers, end_stream)
+        except _SEND_ERRORS as exc:
+            logger.warning("cannot send response headers on stream %d: %s", stream.stream_id, exc)
+            self.abort(stream)
+            stream.lost()
+            return
+        self._transmit_soon()
+
+    def send_data(self, stream: AsgiStream, data: bytes, end_stream: bool) -> bool:
+        sid = stream.stream_id
+        try:
+            self.h3.send_data(sid, data, end_stream)  # type: ignore[union-attr]
+        except _SEND_ERRORS:
+            stream.lost()
+            return True
+        if self._transmit_task is None:
+            self._transmit_task = self._loop.call_soon(self.transmit)
+        if _unsent(self._quic, sid) > HIGH_WATER:
+            self._blocked[sid] = stream
+            return False
+        return True
+
+    def consumed(self, stream: AsgiStream, size: int) -> None:
+        pass  # aioquic extends QUIC flow-control windows by itself as data arrives
+
+    def abort(self, stream: AsgiStream) -> None:
+        self._blocked.pop(stream.stream_id, None)
+        with contextlib.suppress(ValueError):
+            self._quic.reset_stream(stream.stream_id, ErrorCode.H3_INTERNAL_ERROR)
+        self._transmit_soon()
+
+    def stream_done(self, stream: AsgiStream) -> None:
+        sid = stream.stream_id
+        self.streams.pop(sid, None)
+        self._blocked.pop(sid, None)
+        if stream.ended and not stream.gone and not stream.request_complete:
+            # Complete answer, request body still coming: ask the client to stop (RFC 9114 4.1).
+            with contextlib.suppress(ValueError):
+                self._quic.stop_stream(sid, ErrorCode.H3_NO_ERROR)
+            self._transmit_soon()
+        if self.closing and not self.streams:
+            self._close_connection()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _refuse_connection(self) -> None:
+        self.closing = True
+        self._close_connection()
+
+    def _close_connection(self) -> None:
+        self.server_state.connections.discard(self)
+        self.close(error_code=ErrorCode.H3_NO_ERROR, reason_phrase="shutting down")
+
+
+class H3Listener:
+    """HTTP/3 on a UDP port, serving ``app`` with uvicorn's shared server state."""
+
+    def __init__(
+        self,
+        app: Any,
+        configuration: QuicConfiguration,
+        server_state: Any,
+        app_state: dict[str, Any],
+        root_path: str = "",
+    ) -> None:
+        self.app = app
+        self.configuration = configuration
+        self.server_state = server_state
+        self.app_state = app_state
+        self.root_path = root_path
+        self.accepting = True
+        self.server: QuicServer | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Bind and serve; returns the bound (host, port)."""
+
+        def create_protocol(quic: QuicConnection, stream_handler: Any = None) -> H3Protocol:
+            return H3Protocol(quic, stream_handler, listener=self)
+
+        self.server = await quic_serve(
+            host, port, configuration=self.configuration, create_protocol=create_protocol
+        )
+        transport = self.server._transport
+        assert transport is not None
+        bound = transport.get_extra_info("sockname")
+        return str(bound[0]), int(bound[1])
+
+    def stop_accepting(self) -> None:
+        """New connections are closed once negotiated (open ones go on; uvicorn drains them)."""
+        self.accepting = False
+
+    def close(self) -> None:
+        """Close every connection that is left and the UDP socket."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
