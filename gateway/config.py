@@ -64,6 +64,11 @@ class TlsConfig(_Frozen):
     h3_port: int | None = Field(
         default=None, ge=0, le=65535, description="UDP port for HTTP/3; default: the TLS port's number"
     )
+    alt_svc_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="the UDP port clients reach HTTP/3 on, when a load balancer maps it; default: h3_port",
+    )
+    alt_svc_max_age_s: int = Field(default=86400, ge=1, description="how long clients may remember it")
 
 
 class ServerConfig(_Frozen):

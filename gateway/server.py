@@ -51,6 +51,8 @@ class ExtraListeners:
     quic: Any = None  # an aioquic QuicConfiguration when HTTP/3 is on
     h3_port: int | None = None  # None: the TLS listener's port number
     h2: H2Settings = field(default_factory=H2Settings)
+    alt_svc_port: int | None = None  # the HTTP/3 port as clients see it; None: the bound one
+    alt_svc_max_age_s: int = 86400
 
 
 class Server(uvicorn.Server):
@@ -139,10 +141,9 @@ class Server(uvicorn.Server):
                 config.host, extra.h3_port if extra.h3_port is not None else tls_port
             )
             self.urls.append(f"udp://{_netloc(h3_host, h3_port)}")
-            # Answers over TCP advertise HTTP/3 (RFC 7838), for clients that discover it that way.
-            relay = getattr(config.app, "relay", None)
-            if relay is not None and hasattr(relay, "alt_svc"):
-                relay.alt_svc = b'h3=":%d"; ma=86400' % h3_port
+        relay = getattr(config.app, "relay", None)
+        if relay is not None:
+            relay.alt_svc = alt_svc(extra, h3_port if self.h3 is not None else None)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.h3 is not None:
@@ -153,6 +154,15 @@ class Server(uvicorn.Server):
             if self.h3 is not None:
                 self.h3.close()
                 self.h3 = None
+
+
+def alt_svc(extra: ExtraListeners, h3_port: int | None) -> bytes:
+    """What answers over TCP say of HTTP/3 (RFC 7838): where it is and for how long; or, with HTTP/3
+    off, ``clear``, so that clients which cached an earlier advertisement stop trying it."""
+    if h3_port is None:
+        return b"clear"
+    port = extra.alt_svc_port or h3_port
+    return b'h3=":%d"; ma=%d' % (port, extra.alt_svc_max_age_s)
 
 
 def _netloc(host: str, port: int) -> str:
@@ -177,7 +187,10 @@ def extra_listeners(config: Config) -> ExtraListeners:
         raise ConfigError(f"server.tls: {exc}") from None
     except (ValueError, TypeError, OSError) as exc:  # aioquic's own loading of the PEM files
         raise ConfigError(f"server.tls: cannot load {tls.cert!r} / {tls.key!r} for HTTP/3: {exc}") from None
-    return ExtraListeners(tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2)
+    return ExtraListeners(
+        tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2,
+        alt_svc_port=tls.alt_svc_port, alt_svc_max_age_s=tls.alt_svc_max_age_s,
+    )
 
 
 def build_server(config: Config, log_level: str = "info") -> Server:

@@ -34,7 +34,7 @@ import uvicorn
 import yaml
 
 from gateway.config import ConfigError, parse_config, with_overrides
-from gateway.server import ExtraListeners, Server, build_server, extra_listeners
+from gateway.server import ExtraListeners, Server, alt_svc, build_server, extra_listeners
 from loadtest.procs import GatewayProcess
 from tests.conftest import Fleet, wait_for
 from transports.asgi_stream import AsgiStream
@@ -645,6 +645,7 @@ async def test_gateway_streams_over_h2_tls_and_h2c(gateway: tuple[GatewayProcess
     async with httpx.AsyncClient(http2=True, verify=client_context(cert, ["h2", "http/1.1"])) as client:
         resp = await client.post(f"https://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
         assert resp.http_version == "HTTP/2" and resp.status_code == 200
+        assert resp.headers["alt-svc"] == "clear"  # HTTP/3 is off here: clients forget any advertisement
         texts.append(_sse_text(resp.content))
     async with httpx.AsyncClient(http1=False, http2=True) as client:
         resp = await client.post(gw.url + "/v1/chat/completions", json=CHAT)
@@ -724,6 +725,10 @@ def test_listener_config_keys(tmp_path: Path) -> None:
     assert build_server(config).config.http is PromptH1Protocol  # h2c off: uvicorn's protocol as before
     with pytest.raises(ConfigError, match="tls"):
         parse_config({"server": {"tls": {"cert": str(cert)}}})
+    # Alt-Svc names the port clients reach (a load balancer may map 443 to the bound one)
+    assert alt_svc(ExtraListeners(), 8443) == b'h3=":8443"; ma=86400'
+    assert alt_svc(ExtraListeners(alt_svc_port=443, alt_svc_max_age_s=60), 8443) == b'h3=":443"; ma=60'
+    assert alt_svc(ExtraListeners(), None) == b"clear"
 
 
 def test_bad_certificate_or_taken_port_exit_with_a_clear_message(tmp_path: Path) -> None:
