@@ -459,13 +459,18 @@ def chunk_message(event: dict[str, Any]) -> pb.ChatCompletionChunk:
         finish = c.get("finish_reason")
         if finish is not None:
             choice.finish_reason = finish
-    usage = event.get("usage")
+    _usage_and_fingerprint(msg, event)
+    return msg
+
+
+def _usage_and_fingerprint(msg: Any, body: dict[str, Any]) -> None:
+    """The fields a chunk and a whole completion share at the top level."""
+    usage = body.get("usage")
     if usage:
         _usage(msg.usage, usage)
-    fingerprint = event.get("system_fingerprint")
+    fingerprint = body.get("system_fingerprint")
     if fingerprint:
         msg.system_fingerprint = fingerprint
-    return msg
 
 
 def completion_message(answer: dict[str, Any]) -> pb.ChatCompletion:
@@ -487,12 +492,7 @@ def completion_message(answer: dict[str, Any]) -> pb.ChatCompletion:
         finish = c.get("finish_reason")
         if finish is not None:
             choice.finish_reason = finish
-    usage = answer.get("usage")
-    if usage:
-        _usage(msg.usage, usage)
-    fingerprint = answer.get("system_fingerprint")
-    if fingerprint:
-        msg.system_fingerprint = fingerprint
+    _usage_and_fingerprint(msg, answer)
     return msg
 
 
