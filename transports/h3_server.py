@@ -20,6 +20,11 @@ What aioquic leaves to its user, and how it is done here (see docs/transports.md
   So a client that stops reading costs its window plus ``HIGH_WATER`` per stream, no more.
 - **One transmit per connection per loop turn**: sends only schedule ``transmit`` (aioquic's
   ``_transmit_soon``), which builds and encrypts the packets for everything written meanwhile.
+  Two exceptions, both for the time to first token: a response's first DATA (the first token, with
+  the HEADERS framed just before it) is transmitted at once, in ``send()``; and after a datagram
+  that opened a request stream, the transmit aioquic runs for it (building and encrypting what it
+  owes the client: flow-control credit, stream limits, ACKs; ~0.2 ms) waits one loop turn, so that
+  the new request's task runs first and its pod request leaves before it.
 - **Graceful shutdown**: ``shutdown()`` sends an HTTP/3 GOAWAY on the control stream, refuses newer
   request streams (H3_REQUEST_REJECTED), and closes the connection when the open ones end.
 """
@@ -105,6 +110,8 @@ class H3Protocol(QuicConnectionProtocol):
         self.closing = False
         self._highest_stream = -4
         self._blocked: dict[int, AsgiStream] = {}
+        self._fresh: set[int] = set()  # streams whose response HEADERS are written, not yet transmitted
+        self._opened = False  # the datagram being handled opened a request stream: defer its transmit
 
     # -- QuicConnectionProtocol ------------------------------------------------------------------
 
@@ -118,7 +125,14 @@ class H3Protocol(QuicConnectionProtocol):
         super().datagram_received(data, addr)
 
     def transmit(self) -> None:
+        if self._opened:
+            # Called by aioquic at the end of datagram_received: the new request's task (scheduled
+            # already) goes first, then this transmit.
+            self._opened = False
+            self._transmit_soon()
+            return
         super().transmit()
+        self._fresh.clear()
         if self._blocked:
             quic = self._quic
             for sid, stream in list(self._blocked.items()):
@@ -209,6 +223,7 @@ class H3Protocol(QuicConnectionProtocol):
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        self._opened = True
 
     def _on_cancel(self, stream_id: int, request_reset: bool) -> None:
         """STOP_SENDING (our sending side is already reset) or RESET_STREAM of the request."""
@@ -241,6 +256,7 @@ class H3Protocol(QuicConnectionProtocol):
             self.abort(stream)
             stream.lost()
             return
+        self._fresh.add(stream.stream_id)
         self._transmit_soon()
 
     def send_data(self, stream: AsgiStream, data: bytes, end_stream: bool) -> bool:
@@ -250,7 +266,12 @@ class H3Protocol(QuicConnectionProtocol):
         except _SEND_ERRORS:
             stream.lost()
             return True
-        if self._transmit_task is None:
+        if sid in self._fresh:
+            # the response's first DATA (the first token): out now, with its HEADERS
+            if self._transmit_task is not None:
+                self._transmit_task.cancel()
+            self.transmit()
+        elif self._transmit_task is None:
             self._transmit_task = self._loop.call_soon(self.transmit)
         if _unsent(self._quic, sid) > HIGH_WATER:
             self._blocked[sid] = stream
