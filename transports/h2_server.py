@@ -439,8 +439,9 @@ class H2Protocol(asyncio.Protocol):
             self.transport.close()
 
 
-class CleartextDispatch(asyncio.Protocol):
-    """The cleartext port: HTTP/2 with prior knowledge (h2c) or HTTP/1.1, by the first bytes."""
+class _Dispatch(asyncio.Protocol):
+    """A connection whose protocol is not known yet: made with uvicorn's protocol arguments, so it can
+    build either HTTP/2's protocol or uvicorn's HTTP/1.1 one once it knows."""
 
     def __init__(
         self,
@@ -455,6 +456,20 @@ class CleartextDispatch(asyncio.Protocol):
         self.app_state = app_state
         self.loop = _loop
         self.h2_settings = h2_settings
+
+    def protocol_for(self, h2: bool) -> asyncio.Protocol:
+        if h2:
+            return H2Protocol(self.config, self.server_state, self.app_state, self.loop, self.h2_settings)
+        return PromptH1Protocol(
+            config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
+        )
+
+
+class CleartextDispatch(_Dispatch):
+    """The cleartext port: HTTP/2 with prior knowledge (h2c) or HTTP/1.1, by the first bytes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.transport: asyncio.Transport | None = None
         self._head = b""
 
@@ -468,14 +483,7 @@ class CleartextDispatch(asyncio.Protocol):
             self._head = head  # could still be the preface: wait for the rest
             return
         self._head = b""
-        protocol: asyncio.Protocol
-        if head.startswith(PREFACE):
-            protocol = H2Protocol(self.config, self.server_state, self.app_state, self.loop, self.h2_settings)
-        else:
-            protocol = PromptH1Protocol(
-                config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
-            )
-        hand_over(self, protocol, head)
+        hand_over(self, self.protocol_for(head.startswith(PREFACE)), head)
 
     def eof_received(self) -> bool | None:
         return None
@@ -488,36 +496,16 @@ class CleartextDispatch(asyncio.Protocol):
             self.transport.close()
 
 
-class TlsDispatch(asyncio.Protocol):
+class TlsDispatch(_Dispatch):
     """The TLS port: ALPN ``h2`` → HTTP/2, anything else (or none) → HTTP/1.1.
 
     asyncio calls ``connection_made`` once the handshake is done, when the ALPN choice is known;
     the protocol that speaks it takes over right there."""
 
-    def __init__(
-        self,
-        config: Any,
-        server_state: Any,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-        h2_settings: H2Settings | None = None,
-    ) -> None:
-        self.config = config
-        self.server_state = server_state
-        self.app_state = app_state
-        self.loop = _loop
-        self.h2_settings = h2_settings
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         ssl_object = transport.get_extra_info("ssl_object")
         alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
-        protocol: asyncio.Protocol
-        if alpn == "h2":
-            protocol = H2Protocol(self.config, self.server_state, self.app_state, self.loop, self.h2_settings)
-        else:
-            protocol = PromptH1Protocol(
-                config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
-            )
+        protocol = self.protocol_for(alpn == "h2")
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
 
