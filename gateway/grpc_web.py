@@ -38,6 +38,7 @@ import types
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from gateway.deadlines import CLIENT_TIMEOUT_HEADER
 from gateway.errors import GatewayError, bad_request
 from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from gateway.relay import Receive, Relay, Scope, Send
@@ -73,12 +74,11 @@ _ENVELOPE = frozenset(
         b"te",
         b"accept",
         b"origin",
-        b"x-request-timeout-ms",
+        CLIENT_TIMEOUT_HEADER,
     }
 )
 _PASSED_BACK = (b"x-request-id", b"x-sluicegate-pod", b"retry-after", b"x-sluicegate-degraded", b"alt-svc")
 TRANSPORT_LABEL = "grpc-web"  # the relay's metrics and access log name the client's transport
-_TIMEOUT_HEADER = b"x-request-timeout-ms"
 
 
 class GrpcWebEndpoint:
@@ -311,12 +311,12 @@ class Call:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": self._response_headers(self._passed_back),
+                "headers": self._response_headers(),
             }
         )
 
-    def _response_headers(self, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", codec.response_content_type(self._text)), *extra, *self._cors]
+    def _response_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"content-type", codec.response_content_type(self._text)), *self._passed_back, *self._cors]
 
     def _frames(self, body: bytes) -> bytes:
         """The message frames for the complete SSE events in what the relay has sent so far."""
@@ -376,7 +376,7 @@ class Call:
         out = codec.encode_message(payload) + codec.encode_trailers(Status.OK)
         if self._text:
             out = codec.encode_text(out)
-        headers = self._response_headers(self._passed_back)
+        headers = self._response_headers()
         headers.append((b"content-length", b"%d" % len(out)))
         await self._client_send({"type": "http.response.start", "status": 200, "headers": headers})
         await self._client_send({"type": "http.response.body", "body": out})
@@ -440,60 +440,57 @@ def openai_body(request: pb.ChatCompletionRequest, stream: bool) -> bytes:
 
 def chunk_message(event: dict[str, Any]) -> pb.ChatCompletionChunk:
     """A ``chat.completion.chunk`` event as a ChatCompletionChunk."""
-    msg = pb.ChatCompletionChunk(id=event.get("id") or "", created=event.get("created") or 0,
-                                 model=event.get("model") or "")  # fmt: skip
-    for c in event.get("choices") or ():
+    return _completion(pb.ChatCompletionChunk, event, "delta", _fill_delta)
+
+
+def completion_message(answer: dict[str, Any]) -> pb.ChatCompletion:
+    """A ``chat.completion`` body as a ChatCompletion."""
+    return _completion(pb.ChatCompletion, answer, "message", _fill_message)
+
+
+def _completion(
+    cls: Any, body: dict[str, Any], part: str, fill: Callable[[Any, dict[str, Any]], None]
+) -> Any:
+    """What a chunk and a whole completion share: the top-level fields, and each choice's index and
+    finish reason; ``fill`` copies the choice's ``part`` (its delta or its message)."""
+    msg = cls(id=body.get("id") or "", created=body.get("created") or 0, model=body.get("model") or "")
+    for c in body.get("choices") or ():
         choice = msg.choices.add(index=c.get("index") or 0)
-        delta = c.get("delta")
-        if delta:
-            out = choice.delta
-            role = delta.get("role")
-            if role is not None:
-                out.role = role
-            content = delta.get("content")
-            if content is not None:
-                out.content = content
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning is not None:
-                out.reasoning_content = reasoning
+        value = c.get(part)
+        if value:
+            fill(getattr(choice, part), value)
         finish = c.get("finish_reason")
         if finish is not None:
             choice.finish_reason = finish
-    _usage_and_fingerprint(msg, event)
-    return msg
-
-
-def _usage_and_fingerprint(msg: Any, body: dict[str, Any]) -> None:
-    """The fields a chunk and a whole completion share at the top level."""
     usage = body.get("usage")
     if usage:
         _usage(msg.usage, usage)
     fingerprint = body.get("system_fingerprint")
     if fingerprint:
         msg.system_fingerprint = fingerprint
-
-
-def completion_message(answer: dict[str, Any]) -> pb.ChatCompletion:
-    """A ``chat.completion`` body as a ChatCompletion."""
-    msg = pb.ChatCompletion(id=answer.get("id") or "", created=answer.get("created") or 0,
-                            model=answer.get("model") or "")  # fmt: skip
-    for c in answer.get("choices") or ():
-        choice = msg.choices.add(index=c.get("index") or 0)
-        message = c.get("message")
-        if message:
-            out = choice.message
-            out.role = message.get("role") or ""
-            out.content = message.get("content") or ""
-            if message.get("name"):
-                out.name = message["name"]
-            reasoning = message.get("reasoning_content") or message.get("reasoning")
-            if reasoning is not None:
-                out.reasoning_content = reasoning
-        finish = c.get("finish_reason")
-        if finish is not None:
-            choice.finish_reason = finish
-    _usage_and_fingerprint(msg, answer)
     return msg
+
+
+def _fill_delta(out: pb.Delta, delta: dict[str, Any]) -> None:
+    role = delta.get("role")
+    if role is not None:
+        out.role = role
+    content = delta.get("content")
+    if content is not None:
+        out.content = content
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+    if reasoning is not None:
+        out.reasoning_content = reasoning
+
+
+def _fill_message(out: pb.ChatMessage, message: dict[str, Any]) -> None:
+    out.role = message.get("role") or ""
+    out.content = message.get("content") or ""
+    if message.get("name"):
+        out.name = message["name"]
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning is not None:
+        out.reasoning_content = reasoning
 
 
 class ChunkEncoder:
@@ -722,14 +719,14 @@ def _relay_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
     grpc_timeout = _header(headers, b"grpc-timeout")
     if grpc_timeout is not None:
         deadline_ms = max(1, math.ceil(codec.parse_timeout(grpc_timeout) * 1000))
-    asked = _header(headers, _TIMEOUT_HEADER)
+    asked = _header(headers, CLIENT_TIMEOUT_HEADER)
     if asked is not None:
         if not asked.strip().isdigit() or deadline_ms is None:
-            out.append((_TIMEOUT_HEADER, asked))  # the relay judges it (a 400 when it is not a number)
+            out.append((CLIENT_TIMEOUT_HEADER, asked))  # the relay judges it (a 400 when it is not a number)
             return out
         deadline_ms = min(deadline_ms, int(asked))
     if deadline_ms is not None:
-        out.append((_TIMEOUT_HEADER, b"%d" % deadline_ms))
+        out.append((CLIENT_TIMEOUT_HEADER, b"%d" % deadline_ms))
     return out
 
 

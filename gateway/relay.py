@@ -265,15 +265,11 @@ class Relay:
         self._active: dict[Exchange, asyncio.Task[Any]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._in_flight_gauges: dict[str, Any] = {}  # per pod, filled as pods appear
         self._criticality_header = config.shedding.criticality_header.encode()
         self._default_criticality = config.shedding.default_criticality
 
     def _gauge(self, pod: Pod) -> Any:
-        gauge = self._in_flight_gauges.get(pod.name)
-        if gauge is None:
-            gauge = self._in_flight_gauges[pod.name] = self.metrics.in_flight.labels(pod.name)
-        return gauge
+        return self.metrics.child(self.metrics.in_flight, pod.name)
 
     @property
     def in_flight(self) -> int:
