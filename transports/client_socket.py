@@ -65,4 +65,3 @@ def client_socket(send: Callable[[dict[str, Any]], Awaitable[None]]) -> ClientSo
     if transport is None or flow is None or getattr(cycle, "chunked_encoding", None) is not True:
         return None
     return ClientSocket(transport, flow)
-

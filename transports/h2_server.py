@@ -313,13 +313,13 @@ class H2Protocol(asyncio.Protocol):
                 self._blocked.pop(sid, None)
                 stream.lost()
                 return True
-        self._unflushed += len(data)
+        self._unflushed += size
         if self._unflushed > FLUSH_AT:
             self._flush()  # an app that never yields must still meet the transport's high-water mark
         elif sid in self._fresh:
             self._flush()  # the response's first DATA (the first token): out now, with its HEADERS
-        elif self._flush_handle is None:
-            self._flush_handle = self.loop.call_soon(self._scheduled_flush)
+        else:
+            self._flush_soon()
         if sid in self._blocked:
             return False  # _unblock wakes it
         if self.write_paused:

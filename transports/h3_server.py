@@ -106,6 +106,7 @@ class H3Protocol(QuicConnectionProtocol):
         self.server_state = listener.server_state
         self.h3: H3Connection | None = None
         self.streams: dict[int, AsgiStream] = {}
+        self.server: tuple[str, int] | None = None
         self.client: tuple[str, int] | None = None
         self.closing = False
         self._highest_stream = -4
@@ -117,6 +118,7 @@ class H3Protocol(QuicConnectionProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self.server = peer_address(transport.get_extra_info("sockname"))  # the listener's UDP socket
         self.server_state.connections.add(self)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
@@ -161,8 +163,10 @@ class H3Protocol(QuicConnectionProtocol):
                         stream.feed_end()
             elif isinstance(h3_event, HeadersReceived):
                 self._on_headers(h3_event)
-        if isinstance(event, StopSendingReceived | StreamReset):
-            self._on_cancel(event.stream_id, isinstance(event, StreamReset))
+        if isinstance(event, StopSendingReceived):
+            self._on_cancel(event.stream_id, False)
+        elif isinstance(event, StreamReset):
+            self._on_cancel(event.stream_id, True)
         elif isinstance(event, ConnectionTerminated):
             self._terminated()
 
@@ -200,12 +204,11 @@ class H3Protocol(QuicConnectionProtocol):
             self._quic.stop_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
             self._transmit_soon()
             return
-        sockname = self._transport.get_extra_info("sockname") if self._transport is not None else None
         scope = request_scope(
             http_version="3",
             scheme="https",
             headers=event.headers,
-            server=peer_address(sockname),
+            server=self.server,
             client=self.client,
             root_path=self.listener.root_path,
             state=self.listener.app_state,
@@ -271,8 +274,8 @@ class H3Protocol(QuicConnectionProtocol):
             if self._transmit_task is not None:
                 self._transmit_task.cancel()
             self.transmit()
-        elif self._transmit_task is None:
-            self._transmit_task = self._loop.call_soon(self.transmit)
+        else:
+            self._transmit_soon()
         if _unsent(self._quic, sid) > HIGH_WATER:
             self._blocked[sid] = stream
             return False

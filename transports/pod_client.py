@@ -254,9 +254,11 @@ class PodConnection(asyncio.Protocol):
     def abort(self) -> None:
         self.closed = True
         self.pool._forget(self)
-        if self.transport is not None:
-            shut_down_now(self.transport)
-            self.transport.abort()
+        transport = self.transport
+        if transport is not None:
+            if not transport.is_closing():  # once: a second abort, or one after the pod hung up, skips it
+                shut_down_now(transport)
+            transport.abort()
 
     def release(self) -> None:
         if self.closed or self.response is not None:

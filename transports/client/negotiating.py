@@ -397,6 +397,14 @@ class SluicegateClient:
             live.retired = True
             self._retired.append(live)
 
+    def _install_quic(self, origin: str, key: tuple[str, str, int], conn: H3ClientConnection) -> None:
+        """Make ``conn`` the origin's QUIC connection. One it replaces (a concurrent request's
+        handshake finished first) is retired, so it closes when its requests end, not leaked."""
+        old = self._quic.get(origin)
+        if old is not None and old.conn is not conn:
+            self._retire_quic(origin)
+        self._quic[origin] = _LiveQuic(key, conn)
+
     def _race_delay_for(self, key: tuple[str, str, int]) -> float:
         return head_start(self._srtt.get(key), self.race_delay, self.max_race_delay)
 
@@ -439,10 +447,7 @@ class SluicegateClient:
         if self._cap(request.origin) != "h3" or self.altsvc.lookup(request.origin, "h3") is None:
             await conn.aclose()  # told to stop using h3 while the handshake ran
             raise QuicConnectError("h3 no longer allowed for this origin")
-        old = self._quic.get(request.origin)
-        if old is not None and old.conn is not conn:
-            self._retire_quic(request.origin)
-        self._quic[request.origin] = _LiveQuic(key, conn)
+        self._install_quic(request.origin, key, conn)
         return conn
 
     def _mark_h3_broken(self, attempt: _QuicAttempt) -> None:
@@ -484,7 +489,7 @@ class SluicegateClient:
         host, port = alt.authority(request.host) if alt else (request.host, request.port)
         key = (request.origin, host, port)
         conn = await self._quic_handshake(request, key)
-        self._quic[request.origin] = _LiveQuic(key, conn)
+        self._install_quic(request.origin, key, conn)
         return conn
 
     # what the server said

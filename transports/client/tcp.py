@@ -191,13 +191,10 @@ class HttpxTransport(ChatTransport):
             for conn in self._transport.pool.connections
         )
 
-    async def ensure_connection(self, scheme: str, host: str, port: int) -> bool:
-        """Have a connection ready for the origin: reuse one, or do the TCP (and TLS) handshake now.
-
-        Returns True when an existing connection will carry the request.
-        """
+    async def ensure_connection(self, scheme: str, host: str, port: int) -> None:
+        """Have a connection ready for the origin: reuse one, or do the TCP (and TLS) handshake now."""
         if self.has_connection(scheme, host, port):
-            return True
+            return
         stream = await self.backend.inner.connect_tcp(host, port, timeout=self.connect_timeout)
         if scheme == "https":
             try:
@@ -206,7 +203,6 @@ class HttpxTransport(ChatTransport):
                 await stream.aclose()
                 raise
         await self.backend.park(host, port, stream)
-        return False
 
     async def open(self, request: ChatRequest) -> ChatExchange:
         req = self.client.build_request("POST", request.url, content=request.body, headers=request.headers)
