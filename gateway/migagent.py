@@ -32,12 +32,12 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.health.mig_agent import SCHEMA_VERSION
 from gateway.health.xid import describe, is_critical
 from gateway.side_server import serve_app
 
 log = logging.getLogger("sluicegate.migagent")
 
-SCHEMA_VERSION = 1
 ALL_INSTANCES = 0xFFFFFFFF  # an event's GI/CI id when the XID concerns the whole GPU
 READY_PREFIX = "mig-agent listening on "
 DEFAULT_PORT = 9477

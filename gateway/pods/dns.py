@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.pods.kubernetes import KubePod
+from gateway.side_server import url_of
 
 log = logging.getLogger("sluicegate.dns")
 
@@ -55,7 +56,7 @@ class DnsDiscovery:
         return [
             KubePod(
                 name=address,
-                url=f"http://[{address}]:{self.port}" if ":" in address else f"http://{address}:{self.port}",
+                url=url_of(address, self.port),
                 models=self.models,
                 labels=dict(self.labels),
             )

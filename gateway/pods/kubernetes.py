@@ -36,7 +36,9 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 from pydantic import ValidationError
 
 from gateway.config import MigIdentity, PodConfig
+from gateway.health.k8s_device import MIG_RESOURCE_PREFIX
 from gateway.health.verdict import DeviceKey, DeviceVerdict
+from gateway.side_server import url_of
 
 log = logging.getLogger("sluicegate.kubernetes")
 
@@ -45,7 +47,6 @@ MODELS_ANNOTATION = "sluicegate.io/models"  # comma-separated; label values cann
 MIG_UUID_ANNOTATION = "sluicegate.io/mig-uuid"
 GPU_UUID_ANNOTATION = "sluicegate.io/gpu-uuid"
 GPU_INSTANCE_ANNOTATION = "sluicegate.io/gpu-instance-id"
-MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # the device plugin's "mixed" strategy
 _PROFILE = re.compile(r"^(\d+g\.\d+gb)(?:[.+](\w+))?$")  # 1g.10gb, 1g.10gb.me → 1g.10gb+me
 
 
@@ -266,7 +267,7 @@ class KubernetesDiscovery:
         model_label: str = "model",
         pod_labels: Mapping[str, str] | None = None,
         api_url: str | None = None,
-        kubeconfig: KubeConfig | None = None,
+        kubeconfig: KubeConfig | str | None = None,
         watch_timeout_s: float = 300.0,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -280,6 +281,8 @@ class KubernetesDiscovery:
         self.backoff_max_s = backoff_max_s
         if api_url is not None:
             kubeconfig = KubeConfig.from_one(cluster=Cluster(server=api_url), user=User())
+        elif isinstance(kubeconfig, str):  # a path, as the config file gives it
+            kubeconfig = KubeConfig.from_file(kubeconfig)
         self._config = kubeconfig or KubeConfig.from_env()
         self._slices = _Reflector(self, EndpointSlice, {SERVICE_LABEL: service})
         self._pods = _Reflector(self, Pod, pod_labels)
@@ -312,9 +315,7 @@ class KubernetesDiscovery:
                     continue  # not a pod, or its Pod event has not arrived yet
                 cond = endpoint.conditions
                 ready = cond is None or (cond.ready is not False and not cond.terminating)
-                address = endpoint.addresses[0]
-                host = f"[{address}]" if ":" in address else address
-                seen = describe_pod(pod, f"http://{host}:{port}", ready, self.model_label)
+                seen = describe_pod(pod, url_of(endpoint.addresses[0], port), ready, self.model_label)
                 if seen.node is None and endpoint.nodeName:
                     seen = replace(seen, node=endpoint.nodeName)
                 earlier = found.get(seen.name)

@@ -22,6 +22,7 @@ from gateway.health.mig_agent import parse_agent_devices
 from gateway.health.verdict import DeviceKey, DeviceVerdict
 from gateway.health.vllm_metrics import PodLoad, parse_vllm_metrics
 from gateway.pods.registry import Pod, PodRegistry
+from gateway.pods.state import Load
 
 log = logging.getLogger("sluicegate.monitor")
 
@@ -116,8 +117,6 @@ class PodMonitor:
         self.session = session
         self.config = config
         self.devices = DeviceFaults()
-        self._ttft_seen: dict[str, tuple[float, float]] = {}  # pod -> (first tokens counted, at)
-        self._itl_reference: dict[str, PodLoad] = {}  # pod -> the scrape its pace is measured from
 
     async def run(self) -> None:
         loops = [self._every(self.config.probe.interval_s, self.probe_all),
@@ -192,15 +191,15 @@ class PodMonitor:
         load.running = parsed.num_requests_running
         load.waiting = parsed.num_requests_waiting
         if parsed.ttft_count is not None:
-            previous = self._ttft_seen.get(pod.name)
+            previous = load.ttft_seen
             if previous is not None and now > previous[1] and parsed.ttft_count >= previous[0]:
                 load.drain_per_s = (parsed.ttft_count - previous[0]) / (now - previous[1])
-            self._ttft_seen[pod.name] = (parsed.ttft_count, now)
-        self._inter_token_pace(pod, parsed)
+            load.ttft_seen = (parsed.ttft_count, now)
+        self._inter_token_pace(load, parsed)
         load.scraped_at = now
         self.registry.load_changed(pod, pod.pressure.update(load))
 
-    def _inter_token_pace(self, pod: Pod, parsed: PodLoad) -> None:
+    def _inter_token_pace(self, load: Load, parsed: PodLoad) -> None:
         """The pod's p95 inter-token gap over its latest ITL_MIN_TOKENS or more gaps.
 
         Measured from a reference scrape that moves on only once enough new gaps were counted, so an
@@ -208,16 +207,16 @@ class PodMonitor:
         """
         if parsed.itl_buckets is None:
             return
-        reference = self._itl_reference.get(pod.name)
+        reference = load.itl_reference
         if reference is None or reference.itl_buckets is None or (
             parsed.itl_buckets[-1][1] < reference.itl_buckets[-1][1]  # the pod restarted
         ):
-            self._itl_reference[pod.name] = parsed
+            load.itl_reference = parsed
             return
         p95 = parsed.itl_quantile_since(reference, 0.95, ITL_MIN_TOKENS)
         if p95 is not None:
-            pod.load.itl_p95_s = p95
-            self._itl_reference[pod.name] = parsed
+            load.itl_p95_s = p95
+            load.itl_reference = parsed
 
     # -- GPU and MIG-slice sources ------------------------------------------------------------------
 
@@ -244,7 +243,7 @@ class PodMonitor:
 
     def _parse(self, kind: str, body: bytes) -> list[DeviceVerdict]:
         if kind == "dcgm":
-            return parse_dcgm(body.decode("utf-8", "replace"), self.config.devices.max_temp_c).verdicts
+            return parse_dcgm(body, self.config.devices.max_temp_c).verdicts
         return parse_agent_devices(body)
 
     def set_source(self, source: str, verdicts: Iterable[DeviceVerdict]) -> None:

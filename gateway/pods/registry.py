@@ -18,7 +18,17 @@ from urllib.parse import urlsplit
 
 from gateway.config import HealthConfig, PodConfig
 from gateway.metrics import GatewayMetrics
-from gateway.pods.state import CLOSED, HALF_OPEN, OPEN, HealthState, Load, OutlierDetector, PressureBreaker
+from gateway.pods.state import (
+    BREAKER_STATES,
+    CLOSED,
+    HALF_OPEN,
+    HEALTH_STATES,
+    OPEN,
+    HealthState,
+    Load,
+    OutlierDetector,
+    PressureBreaker,
+)
 
 log = logging.getLogger("sluicegate.pods")
 
@@ -165,6 +175,7 @@ class PodRegistry:
             if pod is None or pod.config.url != config.url:
                 pod = Pod(config, self.health_config)
                 log.info("pod %s added at %s", pod.name, pod.url)
+                self._publish(pod)
             else:
                 pod.config = config
                 if config.models:
@@ -172,6 +183,7 @@ class PodRegistry:
             pods.append(pod)
         for gone in set(by_name) - {p.name for p in pods}:
             log.info("pod %s removed", gone)
+            self._unpublish(gone)
         self.pods = tuple(pods)
         self.reindex()
 
@@ -300,9 +312,10 @@ class PodRegistry:
             load = pod.load
             if load.waiting and load.drain_per_s:
                 waits.append(load.waiting / load.drain_per_s)
-        reason = "pressure" if any(p.pressure.open for p in pods) else "ejected"
-        if criticality == "sheddable" and not any(p.pressure.open for p in pods):
-            reason = "sheddable_pressure"
+        if any(p.pressure.open for p in pods):
+            reason = "pressure"
+        else:
+            reason = "sheddable_pressure" if criticality == "sheddable" else "ejected"
         retry = min(waits) if waits else 1.0
         return 429, reason, max(1, round(retry))
 
@@ -351,12 +364,25 @@ class PodRegistry:
     def _publish(self, pod: Pod) -> None:
         if self.metrics is None:
             return
-        for state in ("healthy", "degraded", "unhealthy", "draining"):
+        for state in HEALTH_STATES:
             self.metrics.pod_state.labels(pod.name, state).set(1 if pod.health.state == state else 0)
         pressure = OPEN if pod.pressure.open else CLOSED
         for cause, current in (("pressure", pressure), ("outlier", pod.outlier.state)):
-            for state in (CLOSED, OPEN, HALF_OPEN):
+            for state in BREAKER_STATES:
                 self.metrics.pod_breaker.labels(pod.name, cause, state).set(1 if current == state else 0)
+
+    def _unpublish(self, name: str) -> None:
+        """Drop a departed pod's gauges, so they do not report it as it last was forever."""
+        if self.metrics is None:
+            return
+        metrics = self.metrics
+        for state in HEALTH_STATES:
+            metrics.pod_state.remove(name, state)
+        for cause in ("pressure", "outlier"):
+            for state in BREAKER_STATES:
+                metrics.pod_breaker.remove(name, cause, state)
+        for gauge in (metrics.pod_up, metrics.pod_kv_cache_usage, metrics.pod_waiting):
+            gauge.remove(name)
 
     def get(self, name: str) -> Pod | None:
         for pod in self.pods:

@@ -10,11 +10,17 @@ the pool at once, and an ejected host comes back through a single half-open tria
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.config import OutlierConfig, PressureConfig, ProbeConfig
 
+if TYPE_CHECKING:
+    from gateway.health.vllm_metrics import PodLoad
+
 HEALTHY, DEGRADED, UNHEALTHY, DRAINING = "healthy", "degraded", "unhealthy", "draining"
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+HEALTH_STATES = (HEALTHY, DEGRADED, UNHEALTHY, DRAINING)
+BREAKER_STATES = (CLOSED, OPEN, HALF_OPEN)
 
 
 class HealthState:
@@ -103,6 +109,9 @@ class Load:
     drain_per_s: float | None = None  # requests the pod finished per second, between two scrapes
     itl_p95_s: float | None = None  # 95th percentile inter-token gap between the last two scrapes
     scraped_at: float | None = None
+    # what the monitor measures the next rates from; they go with the pod when it leaves
+    ttft_seen: tuple[int, float] | None = None  # (first tokens counted, at)
+    itl_reference: PodLoad | None = None  # the scrape the pod's pace is measured from
 
 
 class PressureBreaker:
