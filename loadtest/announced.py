@@ -167,7 +167,8 @@ class AnnouncedServer:
         await asyncio.to_thread(self.close)
 
     def __repr__(self) -> str:
-        return f"<PodsimProcess {self.url or 'not started'} pid={self.proc.pid if self.proc else None}>"
+        pid = self.proc.pid if self.proc else None
+        return f"<{type(self).__name__} {self.url or 'not started'} pid={pid}>"
 
 
 def _watch_stdout(stream: IO[bytes] | None, prefix: str, ready: threading.Event, found: list[str]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -23,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -155,20 +156,31 @@ def _latencies(
     noticed = [(seen[rid][0] - at) * 1000 for rid, (at, _, _) in left.items() if rid in seen]
     wire = []
     if capture is not None:
-        time.sleep(0.2)  # the capture thread's last segments (benchmark pacing, not a sync)
-        for rid, (_, _, client_port) in left.items():
-            client_fin = capture.first.get((client_port, proxy_port))
-            proxy_fin = capture.first.get((seen[rid][1], pod_port)) if rid in seen else None
+        # (client's FIN to the proxy, proxy's FIN to the pod) of each departure the pod saw; the
+        # capture thread may still be reading the last of them
+        fins = [((port, proxy_port), (seen[rid][1], pod_port)) for rid, (_, _, port) in left.items()
+                if rid in seen]
+        got = capture.first
+        until = time.monotonic() + 2
+        while time.monotonic() < until and not all(a in got and b in got for a, b in fins):
+            time.sleep(0.01)
+        for client, proxy in fins:
+            client_fin, proxy_fin = got.get(client), got.get(proxy)
             if client_fin is not None and proxy_fin is not None:
                 wire.append((proxy_fin - client_fin) * 1000)
     return wire, noticed, sum(rid in seen for rid in left)
 
 
-def _captured(run: Callable[[], Departures]) -> tuple[Departures, FinCapture | None]:
+@contextlib.contextmanager
+def _capturing() -> Iterator[FinCapture | None]:
+    """FINs on ``lo`` captured while the block runs (None where the capture cannot be had).
+
+    The departures and their latencies both go in the block: a proxy's FIN to the pod comes after
+    its client's, so a capture stopped once the clients have left would miss the slowest ones."""
     capture = FinCapture()
     started = capture.start()
     try:
-        return run(), capture if started else None
+        yield capture if started else None
     finally:
         capture.stop()
 
@@ -189,10 +201,14 @@ def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, 
                 ).read()
                 fds0, tasks0 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
                 proxy_port, pod_port = urlsplit(proxy.url).port, urlsplit(pod.url).port
-                burst, capture = _captured(lambda: asyncio.run(_burst(proxy.url, clients)))
-                wire, noticed, seen = _latencies(burst, pod.url, proxy_port, pod_port, capture)
-                single, capture = _captured(lambda: asyncio.run(_singles(proxy.url, singles)))
-                single_wire, single_noticed, _ = _latencies(single, pod.url, proxy_port, pod_port, capture)
+                with _capturing() as capture:
+                    burst = asyncio.run(_burst(proxy.url, clients))
+                    wire, noticed, seen = _latencies(burst, pod.url, proxy_port, pod_port, capture)
+                with _capturing() as capture:
+                    single = asyncio.run(_singles(proxy.url, singles))
+                    single_wire, single_noticed, _ = _latencies(
+                        single, pod.url, proxy_port, pod_port, capture
+                    )
                 time.sleep(1.0)
                 fds1, tasks1 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
             finally:

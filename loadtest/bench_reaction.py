@@ -43,6 +43,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin
 from loadtest.dcgmsim import DcgmsimProcess
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
@@ -308,7 +309,7 @@ def run(
             pod.start()
         try:
             config = gateway_config([p.url for p in pods], dcgm.url, interval_s)
-            with GatewayProcess(config, cpu=1 if pin else None) as gw:
+            with GatewayProcess(config, cpu=PROXY_CORE if pin else None) as gw:
                 result = asyncio.run(
                     _measure(gw.url, [p.url for p in pods], dcgm.url, rounds, interval_s, clients, scenarios)
                 )
@@ -413,9 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=SCENARIOS, action="append", help="default: both")
     parser.add_argument("--write-md", metavar="FILE")
     args = parser.parse_args(argv)
-    pin = len(os.sched_getaffinity(0)) >= 2
-    if pin:  # the gateway alone on core 1; this process and the simulators (its children) on core 0
-        os.sched_setaffinity(0, {0})
+    pin = can_pin()
+    if pin:  # the gateway alone on its core; this process and the simulators (its children) on the other
+        os.sched_setaffinity(0, {LOAD_CORE})
     result = run(args.rounds, args.interval, args.clients, tuple(args.scenario or SCENARIOS), pin)
     command = "python -m loadtest.bench_reaction " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(result, command.strip())

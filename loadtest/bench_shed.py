@@ -18,12 +18,13 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from loadtest.bench import cpu_delta_s, cpu_ticks
+from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin, cpu_delta_s, cpu_ticks
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
@@ -41,52 +42,48 @@ def _breakers_open(url: str) -> bool:
     return all(p["state"]["breaker"]["pressure"] == "open" for p in pods)
 
 
-async def _fire(url: str, requests: int, concurrency: int) -> tuple[list[float], dict[int, int], int]:
+@dataclass
+class Answers:
+    """Every answer's latency (ms, from its start or its schedule), statuses, and how many had Retry-After."""
+
+    latencies: list[float] = field(default_factory=list)
+    statuses: dict[int, int] = field(default_factory=dict)
+    with_retry_after: int = 0
+
+    async def ask(self, session: aiohttp.ClientSession, url: str, started: float) -> None:
+        async with session.post(url + "/v1/chat/completions", json=CHAT) as resp:
+            await resp.read()
+        self.latencies.append((time.perf_counter() - started) * 1000)
+        self.statuses[resp.status] = self.statuses.get(resp.status, 0) + 1
+        self.with_retry_after += "retry-after" in resp.headers
+
+
+async def _fire(url: str, requests: int, concurrency: int) -> Answers:
     """Closed loop: ``concurrency`` clients, each sending its next request when the last is answered."""
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    with_retry_after = 0
+    answers = Answers()
     queue = iter(range(requests))
     async with aiohttp.ClientSession() as session:
 
         async def worker() -> None:
-            nonlocal with_retry_after
             for _ in queue:
-                started = time.perf_counter()
-                async with session.post(url + "/v1/chat/completions", json=CHAT) as resp:
-                    await resp.read()
-                latencies.append((time.perf_counter() - started) * 1000)
-                statuses[resp.status] = statuses.get(resp.status, 0) + 1
-                with_retry_after += "retry-after" in resp.headers
+                await answers.ask(session, url, time.perf_counter())
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, statuses, with_retry_after
+    return answers
 
 
-async def _fire_at_rate(
-    url: str, requests: int, rate: float, connections: int
-) -> tuple[list[float], dict[int, int], int]:
+async def _fire_at_rate(url: str, requests: int, rate: float, connections: int) -> Answers:
     """Open loop: requests start on a fixed schedule (``rate`` per second) whatever the answers do.
 
     Each latency runs from the request's scheduled start, so a gateway that falls behind is charged
     for the wait (no coordinated omission). This is overload as a pod sees it: more requests than
     capacity, arriving at the pace clients send them, not a flood paced by the gateway's own answers.
     """
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    with_retry_after = 0
+    answers = Answers()
     connector = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=connector) as session:
         # Open the connections first, so the run measures answers, not TCP handshakes.
         await asyncio.gather(*(session.get(url + "/healthz") for _ in range(connections)))
-
-        async def one(scheduled: float) -> None:
-            nonlocal with_retry_after
-            async with session.post(url + "/v1/chat/completions", json=CHAT) as resp:
-                await resp.read()
-            latencies.append((time.perf_counter() - scheduled) * 1000)
-            statuses[resp.status] = statuses.get(resp.status, 0) + 1
-            with_retry_after += "retry-after" in resp.headers
 
         start = time.perf_counter()
         tasks = []
@@ -95,12 +92,12 @@ async def _fire_at_rate(
             delay = scheduled - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(scheduled)))
+            tasks.append(asyncio.ensure_future(answers.ask(session, url, scheduled)))
         await asyncio.gather(*tasks)
-    return latencies, statuses, with_retry_after
+    return answers
 
 
-def run(requests: int) -> list[dict[str, Any]]:
+def run(requests: int, pin: bool) -> list[dict[str, Any]]:
     pods = [PodsimProcess(["--model", "llama-8b", "--fault", "kv_usage=0.97"]) for _ in range(2)]
     for pod in pods:
         pod.start()
@@ -109,9 +106,8 @@ def run(requests: int) -> list[dict[str, Any]]:
             "server": {"host": "127.0.0.1", "access_log": False},
             "pods": [{"name": f"pod-{i}", "url": p.url, "models": ["llama-8b"]} for i, p in enumerate(pods)],
         }
-        # The gateway alone on core 1; this client and the pods on core 0 (as in the main benchmark).
-        pin = len(os.sched_getaffinity(0)) >= 2
-        with GatewayProcess(config, cpu=1 if pin else None) as gw:
+        # The gateway alone on its core; this client and the pods on the load core (see main).
+        with GatewayProcess(config, cpu=PROXY_CORE if pin else None) as gw:
             deadline = time.monotonic() + 10
             while not _breakers_open(gw.url):
                 if time.monotonic() > deadline:
@@ -125,16 +121,17 @@ def run(requests: int) -> list[dict[str, Any]]:
             for load, coro in runs:
                 began = time.perf_counter()
                 cpu_before = cpu_ticks([gw.pid])
-                lat, statuses, retry_after = asyncio.run(coro)
+                answers = asyncio.run(coro)
                 user, system = cpu_delta_s(cpu_before, cpu_ticks([gw.pid]))
+                lat = answers.latencies
                 rows.append(
                     {
                         "load": load,
                         "requests": requests,
                         "per_s": requests / (time.perf_counter() - began),
                         "cpu_ms": (user + system) * 1000 / requests,
-                        "statuses": statuses,
-                        "with_retry_after": retry_after,
+                        "statuses": answers.statuses,
+                        "with_retry_after": answers.with_retry_after,
                         "p50_ms": percentile(lat, 50),
                         "p99_ms": percentile(lat, 99),
                         "max_ms": max(lat),
@@ -169,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--write-md", metavar="FILE")
     args = parser.parse_args(argv)
-    if len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {0})
-    rows = run(args.requests)
+    pin = can_pin()
+    if pin:  # before starting anything: the pods, like this client, stay off the gateway's core
+        os.sched_setaffinity(0, {LOAD_CORE})
+    rows = run(args.requests, pin)
     command = "python -m loadtest.bench_shed " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(rows, command.strip())
     print(section)

@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import ssl
 import sys
 import tempfile
@@ -49,10 +48,10 @@ import h2.connection
 import h2.events
 
 from gateway.proto.sluicegate.v1 import inference_pb2 as pb
-from loadtest.bench import cpu_delta_s, cpu_ticks
+from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin, cpu_delta_s, cpu_ticks
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
-from loadtest.procs import GatewayProcess
+from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
 from loadtest.report import replace_marked_section
 from transports import grpc_web
 from transports.h3_client import H3ClientConnection
@@ -86,10 +85,14 @@ def _grpc_request(tokens: int) -> bytes:
     return grpc_web.encode_message(message.SerializeToString())
 
 
-def _free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _insecure_context(alpn: list[str] | None = None) -> ssl.SSLContext:
+    """A client context that accepts the gateway's throwaway certificate."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    if alpn:
+        context.set_alpn_protocols(alpn)
+    return context
 
 
 class H2Client(asyncio.Protocol):
@@ -216,9 +219,7 @@ class Clients:
         self.https_url = f"https://127.0.0.1:{tls_port}"
         self.tls_port = tls_port
         self.h3_port = h3_port
-        self._insecure = ssl.create_default_context()
-        self._insecure.check_hostname = False
-        self._insecure.verify_mode = ssl.CERT_NONE
+        self._insecure = _insecure_context()
         self.aiohttp: aiohttp.ClientSession | None = None
         self.h2: H2Client | None = None
         self.h2c: H2Client | None = None
@@ -227,13 +228,9 @@ class Clients:
     async def __aenter__(self) -> Clients:
         self.aiohttp = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         # HTTP/2 multiplexes: one connection each, as browsers do
-        h2_tls = ssl.create_default_context()
-        h2_tls.check_hostname = False
-        h2_tls.verify_mode = ssl.CERT_NONE
-        h2_tls.set_alpn_protocols(["h2"])
         host, _, port = self.http_url.removeprefix("http://").rpartition(":")
         self.h2c = await H2Client.connect(host, int(port))
-        self.h2 = await H2Client.connect("127.0.0.1", self.tls_port, h2_tls)
+        self.h2 = await H2Client.connect("127.0.0.1", self.tls_port, _insecure_context(["h2"]))
         self.h3 = await H3ClientConnection.connect("127.0.0.1", self.h3_port, verify=False)
         return self
 
@@ -347,14 +344,12 @@ async def _measure(
     return rows
 
 
-def run(streams: int, tokens: int, runs: int) -> list[dict[str, Any]]:
-    pin = len(os.sched_getaffinity(0)) >= 2
+def run(streams: int, tokens: int, runs: int, pin: bool) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp, PodsimProcess(
         ["--model", MODEL, "--ttft-ms", "20", "--itl-ms", "5"]
     ) as pod:
         cert, key = self_signed(tmp)
-        tls_port = _free_port(socket.SOCK_STREAM)
-        h3_port = _free_port(socket.SOCK_DGRAM)
+        tls_port = h3_port = free_tcp_and_udp_port()
         config = {
             "server": {
                 "host": "127.0.0.1",
@@ -363,7 +358,7 @@ def run(streams: int, tokens: int, runs: int) -> list[dict[str, Any]]:
             },
             "pods": [{"name": "pod-0", "url": pod.url, "models": [MODEL]}],
         }
-        with GatewayProcess(config, cpu=1 if pin else None) as gw:
+        with GatewayProcess(config, cpu=PROXY_CORE if pin else None) as gw:
 
             async def main() -> list[dict[str, Any]]:
                 async with Clients(gw.url, tls_port, h3_port) as clients:
@@ -397,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=30, help="sequential streams for the TTFT columns")
     parser.add_argument("--write-md", metavar="FILE")
     args = parser.parse_args(argv)
-    if len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {0})
-    rows = run(args.streams, args.tokens, args.runs)
+    pin = can_pin()
+    if pin:  # before starting anything: the pod, like the clients, stays off the gateway's core
+        os.sched_setaffinity(0, {LOAD_CORE})
+    rows = run(args.streams, args.tokens, args.runs, pin)
     command = "python -m loadtest.bench_transports " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(rows, command.strip(), args.streams, args.tokens)
     print(section)

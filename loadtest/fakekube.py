@@ -458,6 +458,7 @@ class FakeKube:
         else:
             seen = (self._as_seen_by(watcher, e) for e in self.history if e.rv > int(since))
             backlog = [line for line in seen if line is not None]
+        if expired is None:
             self.watchers.add(watcher)  # registered before the first await: no change can slip between
         if self._stopping:
             watcher.queue.put_nowait(None)

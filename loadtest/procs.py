@@ -7,7 +7,9 @@ bound and its first discovery round is done; waiting for that line is an event, 
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,6 +98,27 @@ def terminate(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def free_tcp_and_udp_port() -> int:
+    """A port number free for both TCP and UDP on loopback (a TLS listener and its HTTP/3 twin), below
+    the kernel's ephemeral range so that no listener on port 0 (the gateway's cleartext one, a pod) can
+    be given it meanwhile."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            try:
+                tcp.bind(("127.0.0.1", port))
+                udp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
 
 
 def _read_line_within(stream: IO[str] | None, timeout_s: float) -> str:

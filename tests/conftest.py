@@ -6,6 +6,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -97,6 +98,34 @@ def pod_aborts(fleet: Fleet) -> float:
             if family.name == "podsim:aborts":
                 total += sum(s.value for s in family.samples if s.name.endswith("_total"))
     return total
+
+
+def tls_config(fleet: Fleet, cert: Path, key: Path, port: int, **tls: Any) -> dict[str, Any]:
+    """A gateway before ``fleet.pod_a`` with TLS (and HTTP/3 unless ``h3=False``) on ``port``."""
+    return {
+        "server": {
+            "host": "127.0.0.1", "access_log": False,
+            "tls": {"cert": str(cert), "key": str(key), "port": port, **tls},
+        },
+        "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}],
+    }
+
+
+def pod_state(url: str, name: str) -> dict[str, Any]:
+    """The live state of the gateway's pod ``name``, from ``/admin/pods``."""
+    pods = httpx.get(url + "/admin/pods").json()["pods"]
+    return next(p for p in pods if p["name"] == name)["state"]
+
+
+def counter_totals(url: str, family: str, label: str, **where: str) -> dict[str, float]:
+    """A counter's ``_total`` values on ``url``'s /metrics by ``label``, of samples matching ``where``."""
+    totals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if fam.name == family:
+            for s in fam.samples:
+                if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in where.items()):
+                    totals[s.labels[label]] = totals.get(s.labels[label], 0.0) + s.value
+    return totals
 
 
 def gateway_in_flight(url: str) -> float:

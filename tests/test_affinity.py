@@ -10,7 +10,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 
@@ -20,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import PodRegistry
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import FAST, wait_for
+from tests.conftest import FAST, pod_state, wait_for
 
 NAMES = ("p0", "p1", "p2", "p3")
 
@@ -148,8 +147,3 @@ def test_a_users_requests_stay_on_one_pod_until_it_fails_then_move_to_one_other(
     assert wait_for(lambda: not pod_state(url, alice)["routable"])
     moved = {served_by(url, "alice") for _ in range(6)}
     assert len(moved) == 1 and alice not in moved
-
-
-def pod_state(url: str, name: str) -> dict:
-    pods = httpx.get(url + "/admin/pods").json()["pods"]
-    return next(p for p in pods if p["name"] == name)["state"]

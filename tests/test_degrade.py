@@ -16,7 +16,7 @@ import pytest
 from gateway.degrade import as_sse, non_streaming_body
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import wait_for
+from tests.conftest import pod_state, wait_for
 
 
 def events(stream: bytes) -> list[dict]:
@@ -111,7 +111,7 @@ def stream(url: str, key: str, **extra: object) -> tuple[str, httpx.Headers, lis
 
 
 def itl_p95_ms(url: str) -> float | None:
-    return httpx.get(url + "/admin/pods").json()["pods"][0]["state"]["load"]["itl_p95_ms"]
+    return pod_state(url, "slow")["load"]["itl_p95_ms"]
 
 
 def test_a_degrading_tier_streams_until_the_pod_is_slow_then_gets_whole_answers(gateway: str) -> None:

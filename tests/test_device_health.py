@@ -17,7 +17,7 @@ import pytest
 from loadtest.dcgmsim import DcgmsimProcess
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import FAST, GPU, MIG_A, MIG_B, wait_for
+from tests.conftest import FAST, GPU, MIG_A, MIG_B, pod_state, wait_for
 
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -28,8 +28,7 @@ class Slices:
         self.dcgm = dcgm
 
     def state(self, name: str) -> dict[str, Any]:
-        pods = httpx.get(self.url + "/admin/pods").json()["pods"]
-        return next(p for p in pods if p["name"] == name)["state"]
+        return pod_state(self.url, name)
 
     def xid(self, xid: int, gpu_instance_id: int | None) -> None:
         fault = {"gpu_uuid": GPU, "gpu_instance_id": gpu_instance_id, "xid": xid}

@@ -22,13 +22,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ServerConfig
 from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import FAST, Fleet, gateway_in_flight, pod_aborts, wait_for
+from tests.conftest import FAST, Fleet, counter_totals, gateway_in_flight, pod_aborts, pod_state, wait_for
 from transports import grpc_web as codec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,17 +139,8 @@ def sse_text(url: str, body: dict[str, Any]) -> str:
 
 def requests_total(url: str, status: str, transport: str | None = None) -> float:
     """The relay's count of finished chat requests with this status (and transport label)."""
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == "sluicegate_requests":
-            return sum(
-                s.value
-                for s in family.samples
-                if s.name.endswith("_total")
-                and s.labels["route"] == "chat"
-                and s.labels["status"] == status
-                and (transport is None or s.labels.get("transport") == transport)
-            )
-    return 0.0
+    where = {"route": "chat"} if transport is None else {"route": "chat", "transport": transport}
+    return counter_totals(url, "sluicegate_requests", "status", **where).get(status, 0.0)
 
 
 # -- the same answer ---------------------------------------------------------------------------------
@@ -283,12 +273,9 @@ def test_a_shed_request_is_resource_exhausted(
 ) -> None:
     pod, url = full_pod
 
-    def pressure() -> str:
-        return httpx.get(url + "/admin/pods").json()["pods"][0]["state"]["breaker"]["pressure"]
-
     assert httpx.post(pod.url + "/admin/faults", json={"kv_usage": 0.97}).status_code == 200
     try:
-        assert wait_for(lambda: pressure() == "open")
+        assert wait_for(lambda: pod_state(url, "pod-a")["breaker"]["pressure"] == "open")
         (shed,) = connect(descriptor_set, {"baseUrl": url, "method": "StreamChatCompletion", "request": ASK})
     finally:
         httpx.delete(pod.url + "/admin/faults")

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import random
 import shutil
 import socket
 import ssl
@@ -35,8 +34,8 @@ import yaml
 
 from gateway.config import ConfigError, parse_config, with_overrides
 from gateway.server import ExtraListeners, Server, alt_svc, build_server, extra_listeners
-from loadtest.procs import GatewayProcess
-from tests.conftest import Fleet, wait_for
+from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
+from tests.conftest import Fleet, tls_config, wait_for
 from transports.asgi_stream import AsgiStream
 from transports.h1_disconnect import PromptH1Protocol, trip_on_disconnect
 from transports.h2_server import PREFACE, CleartextDispatch, H2Settings
@@ -260,6 +259,21 @@ class RawH2:
         self.conn.send_headers(sid, headers, end_stream=end and not body)
         if body:
             self.conn.send_data(sid, body, end_stream=end)
+        self.body[sid] = bytearray()
+        self.flush()
+        return sid
+
+    def chat(self, body: bytes, *, rid: str | None = None) -> int:
+        """POST ``body`` to the gateway's ``/v1/chat/completions`` over TLS; the stream id."""
+        sid = self.conn.get_next_available_stream_id()
+        headers = [
+            (b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"localhost"),
+            (b":path", b"/v1/chat/completions"), (b"content-type", b"application/json"),
+        ]
+        if rid is not None:
+            headers.append((b"x-request-id", rid.encode()))
+        self.conn.send_headers(sid, headers)
+        self.conn.send_data(sid, body, end_stream=True)
         self.body[sid] = bytearray()
         self.flush()
         return sid
@@ -582,38 +596,11 @@ CHAT = {
 LONG = {**CHAT, "max_tokens": 4000, "ignore_eos": True}
 
 
-def free_tcp_and_udp_port() -> int:
-    """A port number free for both TCP and UDP on loopback, below the kernel's ephemeral range so
-    that no listener on port 0 (the gateway's cleartext one, a pod) can be given it meanwhile."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            try:
-                tcp.bind(("127.0.0.1", port))
-                udp.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
-
-
 @contextlib.contextmanager
 def tls_gateway(fleet: Fleet, tmp: Path, **tls: Any) -> Iterator[tuple[GatewayProcess, int, Path]]:
     cert, key = self_signed(tmp)
     port = free_tcp_and_udp_port()
-    config = {
-        "server": {
-            "host": "127.0.0.1", "access_log": False,
-            "tls": {"cert": str(cert), "key": str(key), "port": port, **tls},
-        },
-        "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}],
-    }
-    with GatewayProcess(config) as gw:
+    with GatewayProcess(tls_config(fleet, cert, key, port, **tls)) as gw:
         yield gw, port, cert
 
 
@@ -688,16 +675,7 @@ async def test_gateway_aborts_the_pod_when_an_h2_client_leaves(
     _, port, cert = gateway
     rid = f"h2-leave-{how}"
     client = await RawH2.open(port, tls=client_context(cert, ["h2"]))
-    body = json.dumps(LONG).encode()
-    sid = client.conn.get_next_available_stream_id()
-    client.conn.send_headers(sid, [
-        (b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"localhost"),
-        (b":path", b"/v1/chat/completions"), (b"content-type", b"application/json"),
-        (b"x-request-id", rid.encode()),
-    ])
-    client.conn.send_data(sid, body, end_stream=True)
-    client.body[sid] = bytearray()
-    client.flush()
+    sid = client.chat(json.dumps(LONG).encode(), rid=rid)
     await client.pump_until(lambda: client.body[sid].count(b"data: ") >= 3)  # tokens are flowing
     assert client.status[sid] == 200
     if how == "rst_stream":

@@ -347,14 +347,7 @@ async def test_sigterm_drain_lets_h2_and_h3_streams_finish_then_exits_0(fleet: F
     body = json.dumps({**LONG, "max_tokens": 200}).encode()
     with tls_gateway(fleet, tmp_path) as (gw, port, cert):
         h2_client = await RawH2.open(port, tls=client_context(cert, ["h2"]))
-        sid = h2_client.conn.get_next_available_stream_id()
-        h2_client.conn.send_headers(sid, [
-            (b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"localhost"),
-            (b":path", b"/v1/chat/completions"), (b"content-type", b"application/json"),
-        ])
-        h2_client.conn.send_data(sid, body, end_stream=True)
-        h2_client.body[sid] = bytearray()
-        h2_client.flush()
+        sid = h2_client.chat(body)
         async with h3_client(port, cert) as client:
             resp = client.request(
                 "/v1/chat/completions", body=body, headers=[(b"content-type", b"application/json")]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from transports.hangups import HangupWatcher
+from transports.hangups import HangupWatcher, Pairing
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -22,6 +22,20 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
         far = socket.create_connection(listener.getsockname())
         near, _ = listener.accept()
     return near, far
+
+
+Sock = socket.socket
+
+
+def attached(watcher: HangupWatcher) -> tuple[Pairing, Sock, Sock, Sock, Sock]:
+    """A client connection paired with the pod connection serving it:
+    (pairing, gateway's client side, the client, gateway's pod side, the pod)."""
+    gw_client, client = tcp_pair()
+    gw_pod, pod = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    watcher.set_upstream(pairing, gw_pod)
+    return pairing, gw_client, client, gw_pod, pod
 
 
 @pytest.fixture
@@ -48,11 +62,7 @@ def pod_still_open(pod: socket.socket) -> bool:
 
 
 def test_client_hanging_up_shuts_the_pod_socket_down(watcher: HangupWatcher) -> None:
-    gw_client, client = tcp_pair()
-    gw_pod, pod = tcp_pair()
-    pairing = watcher.pair(gw_client)
-    assert pairing is not None
-    watcher.set_upstream(pairing, gw_pod)
+    pairing, gw_client, client, gw_pod, pod = attached(watcher)
     client.close()  # FIN; nothing else in this process reads gw_client
     assert pod_sees_eof(pod)
     assert watcher.shut_down == 1
@@ -62,11 +72,7 @@ def test_client_hanging_up_shuts_the_pod_socket_down(watcher: HangupWatcher) -> 
 
 
 def test_a_reset_counts_as_a_hang_up(watcher: HangupWatcher) -> None:
-    gw_client, client = tcp_pair()
-    gw_pod, pod = tcp_pair()
-    pairing = watcher.pair(gw_client)
-    assert pairing is not None
-    watcher.set_upstream(pairing, gw_pod)
+    pairing, gw_client, client, gw_pod, pod = attached(watcher)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     client.close()  # RST
     assert pod_sees_eof(pod)
@@ -80,11 +86,7 @@ def test_an_unpaired_or_detached_pod_socket_is_left_alone(watcher: HangupWatcher
     sockets = []
     left_alone = []
     for detach in ("unpair", "set_upstream(None)"):
-        gw_client, client = tcp_pair()
-        gw_pod, pod = tcp_pair()
-        pairing = watcher.pair(gw_client)
-        assert pairing is not None
-        watcher.set_upstream(pairing, gw_pod)
+        pairing, gw_client, client, gw_pod, pod = attached(watcher)
         if detach == "unpair":
             watcher.unpair(pairing)
         else:
@@ -94,11 +96,7 @@ def test_an_unpaired_or_detached_pod_socket_is_left_alone(watcher: HangupWatcher
         sockets += [gw_client, gw_pod, pod]
     # A paired client that leaves after them: once its pod sees EOF, the thread has been through
     # every earlier hang-up too.
-    gw_client, client = tcp_pair()
-    gw_pod, pod = tcp_pair()
-    pairing = watcher.pair(gw_client)
-    assert pairing is not None
-    watcher.set_upstream(pairing, gw_pod)
+    pairing, gw_client, client, gw_pod, pod = attached(watcher)
     client.close()
     assert pod_sees_eof(pod)
     assert watcher.shut_down == 1
@@ -114,11 +112,7 @@ def test_a_pod_socket_attached_after_the_client_left_is_shut_down_at_once(watche
     client.close()
     # The client left while the gateway was still connecting to the pod. Wait until the thread
     # has seen the hang-up, with a second pairing as the marker.
-    marker_client, marker = tcp_pair()
-    marker_gw_pod, marker_pod = tcp_pair()
-    mark = watcher.pair(marker_client)
-    assert mark is not None
-    watcher.set_upstream(mark, marker_gw_pod)
+    mark, marker_client, marker, marker_gw_pod, marker_pod = attached(watcher)
     marker.close()
     assert pod_sees_eof(marker_pod)
     gw_pod, pod = tcp_pair()

@@ -15,10 +15,9 @@ from gateway.pods.kubernetes import KubePod, KubernetesDiscovery, describe_pod
 from gateway.pods.monitor import DeviceFaults
 from gateway.pods.registry import Pod as RegistryPod
 from loadtest.fakekube import PODS, SLICES, FakeKube, make_endpoint, make_pod, make_slice
+from tests.conftest import GPU, MIG_A
 
 NS = "llm"
-GPU = "GPU-5e0f8a2c-1b7d-4c1e-9a55-0c3f2d7e8b11"
-MIG_A = "MIG-2ce7a541-c516-5dbc-a76e-26cc100d9b55"
 MIG_RES = "nvidia.com/mig-1g.10gb"
 WAIT_S = 5.0
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import FAST, GPU, MIG_A, MIG_B, wait_for
+from tests.conftest import FAST, GPU, MIG_A, MIG_B, pod_state, wait_for
 
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -34,8 +34,7 @@ class Pods:
         assert httpx.post(pod.url + "/admin/faults", json=knobs).status_code == 200
 
     def state(self, name: str) -> dict[str, Any]:
-        pods = httpx.get(self.url + "/admin/pods").json()["pods"]
-        return next(p for p in pods if p["name"] == name)["state"]
+        return pod_state(self.url, name)
 
     def served_by(self, n: int) -> Counter[str]:
         """Which pods answered ``n`` requests, by the pods' own count of finished requests."""

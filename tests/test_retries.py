@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import wait_for
+from tests.conftest import counter_totals, wait_for
 
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
 FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]
@@ -48,11 +47,7 @@ def _set_faults(pod: PodsimProcess, faults: dict) -> None:
 
 
 def _attempts(url: str) -> dict[str, float]:
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
-    family = families.get("sluicegate_upstream_attempts")
-    return (
-        {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")} if family else {}
-    )
+    return counter_totals(url, "sluicegate_upstream_attempts", "outcome")
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.procs import GatewayProcess
-from tests.conftest import Fleet, gateway_in_flight, pod_aborts, wait_for
+from tests.conftest import Fleet, counter_totals, gateway_in_flight, pod_aborts, wait_for
 
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 LONG = {**CHAT, "max_tokens": 4000, "ignore_eos": True}  # ~8 s at the fleet's 2 ms per token
@@ -60,10 +59,7 @@ def _ends_with_timeout_event(resp: httpx.Response, stage: str) -> list[bytes]:
 
 
 def _timeouts(url: str) -> dict[str, float]:
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
-    family = families.get("sluicegate_timeouts")
-    samples = family.samples if family else []
-    return {s.labels["stage"]: s.value for s in samples if s.name.endswith("_total")}
+    return counter_totals(url, "sluicegate_timeouts", "stage")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -193,10 +189,7 @@ def test_a_connect_timeout_is_retried_on_another_pod(fleet: Fleet) -> None:
             for _ in range(2):
                 resp = _post(gw.url, {**CHAT, "stream": True})
                 assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
-            text = httpx.get(gw.url + "/metrics").text
-            families = {f.name: f for f in text_string_to_metric_families(text)}
-            family = families["sluicegate_upstream_attempts"]
-            outcomes = {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+            outcomes = counter_totals(gw.url, "sluicegate_upstream_attempts", "outcome")
             assert outcomes.get("connect_timeout") == 1 and outcomes.get("ok") == 2
     finally:
         hole.close()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import json
 import socket
 import ssl
@@ -32,10 +30,6 @@ from aioquic.asyncio import serve as quic_serve
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import StreamDataReceived
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
@@ -48,6 +42,7 @@ from transports.client import (
     SyncSluicegateClient,
 )
 from transports.h3_client import H3_VERSION_FALLBACK
+from transports.tls import self_signed
 
 TOKENS = ["Hello", ",", " world", "!"]
 TEXT = "".join(TOKENS)
@@ -60,76 +55,13 @@ MARGIN = 0.3  # scheduling slack on a shared 2-core machine; the promises are fa
 
 @dataclass
 class Certs:
-    ca: Path
-    cert: Path
+    cert: Path  # self-signed: clients trust this file, so verification stays on
     key: Path
 
 
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    """A throwaway CA and a leaf for 127.0.0.1/localhost, so verification stays on."""
-    tmp = tmp_path_factory.mktemp("certs")
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sluicegate test CA")])
-    usage = dict(
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        encipher_only=False,
-        decipher_only=False,
-    )
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, **usage), critical=True
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False, **usage), critical=True
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    out = Certs(tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem")
-    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.cert.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    out.key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return out
+    return Certs(*self_signed(tmp_path_factory.mktemp("certs")))
 
 
 # --- the ASGI app Hypercorn serves --------------------------------------------------------------
@@ -529,7 +461,7 @@ async def chat(client: SluicegateClient) -> Any:
 
 def make_client(server_url: str, certs: Certs, **kwargs: Any) -> SluicegateClient:
     kwargs.setdefault("quic_handshake_timeout", 1.0)
-    return SluicegateClient(server_url, verify=certs.ca, **kwargs)
+    return SluicegateClient(server_url, verify=certs.cert, **kwargs)
 
 
 # --- tests: the TCP transports ------------------------------------------------------------------
@@ -788,7 +720,7 @@ async def test_sync_client_streams_from_its_own_loop_thread(certs: Certs) -> Non
     async with hypercorn(certs, quic=True) as server:
 
         def run() -> tuple[list[str], str | None, str, str]:
-            with SyncSluicegateClient(server.url, verify=certs.ca) as client:
+            with SyncSluicegateClient(server.url, verify=certs.cert) as client:
                 client.complete_chat("m", MESSAGES)  # learns the Alt-Svc
                 with client.stream_chat("m", MESSAGES) as stream:
                     tokens = list(stream)

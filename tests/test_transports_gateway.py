@@ -12,28 +12,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.procs import GatewayProcess
-from tests.conftest import Fleet
-from tests.test_h2_server import free_tcp_and_udp_port
+from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
+from tests.conftest import Fleet, counter_totals, tls_config
 from tests.test_transport_client import Blackhole, udp_endpoint
 from transports.client import DEFAULT_RACE_DELAY, SluicegateClient
 from transports.tls import self_signed
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def tls_config(fleet: Fleet, cert: Path, key: Path, port: int, **tls: Any) -> dict[str, Any]:
-    return {
-        "server": {
-            "host": "127.0.0.1", "access_log": False,
-            "tls": {"cert": str(cert), "key": str(key), "port": port, **tls},
-        },
-        "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +36,7 @@ def gateway(fleet: Fleet, certificate: tuple[Path, Path]) -> Iterator[tuple[Gate
 
 
 def requests_by_transport(url: str) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        if family.name == "sluicegate_requests":
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels["route"] == "chat":
-                    counts[sample.labels["transport"]] += int(sample.value)
-    return counts
+    return Counter(counter_totals(url, "sluicegate_requests", "transport", route="chat"))
 
 
 async def answer(client: SluicegateClient, **params: Any) -> Any:

@@ -151,6 +151,7 @@ def fault_schedule(faults: Faults) -> list[tuple[int, int, str]]:
         if getattr(faults, name) is not None
     )
 
+
 class _StreamSink:
     """Writes one SSE response straight to its transport from engine callbacks."""
 
