@@ -465,7 +465,9 @@ class Relay:
         loop_time = asyncio.get_running_loop().time()
         if len(tried) >= self.config.retries.max_attempts or loop_time >= ex.deadline:
             raise failure.error
-        pod = self.registry.pick(req.model, exclude=tuple(tried), **self._affinity_of(ex))
+        pod = self.registry.pick(
+            req.model, exclude=tuple(tried), criticality=ex.criticality, **self._affinity_of(ex)
+        )
         if pod is None:
             raise failure.error
         if not self.retry_budget.try_retry(loop_time):
@@ -714,7 +716,7 @@ class Relay:
         loop = asyncio.get_running_loop()
         while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
             done = Transcript.read(bytes(recorder.sent))
-            pod = self.registry.pick(req.model, exclude=tuple(ex.tried))
+            pod = self.registry.pick(req.model, exclude=tuple(ex.tried), criticality=ex.criticality)
             if pod is None:
                 break
             ex.resumes += 1

@@ -131,6 +131,17 @@ def test_when_every_pod_is_full_clients_get_a_fast_429_and_critical_traffic_stil
     assert ops.chat.completions.create(**CHAT).choices[0].message.content
 
 
+def test_a_critical_requests_retry_keeps_its_criticality(pods: Pods) -> None:
+    pods.fault(pods.a, kv_usage=0.97)  # full: only critical traffic may go there
+    pods.fault(pods.b, status=503)  # the better-scored pod fails every answer
+    assert wait_for(lambda: pods.state("pod-a")["breaker"]["pressure"] == "open")
+    ops = {"authorization": "Bearer sk-ops"}
+    resp = httpx.post(pods.url + "/v1/chat/completions", json=CHAT, headers=ops)
+    assert resp.status_code == 200 and resp.headers["x-sluicegate-pod"] == "pod-a"  # retried on the full pod
+    standard = httpx.post(pods.url + "/v1/chat/completions", json=CHAT)
+    assert standard.status_code == 503  # a standard request's retry may not go to the full pod
+
+
 def test_sheddable_traffic_is_shed_first(pods: Pods) -> None:
     pods.fault(pods.a, kv_usage=0.85)
     pods.fault(pods.b, kv_usage=0.85)
