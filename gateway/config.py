@@ -273,6 +273,13 @@ class DiscoveryConfig(_Frozen):
     kubernetes: KubernetesDiscoveryConfig | None = None
     dns: DnsDiscoveryConfig | None = None
 
+    @model_validator(mode="after")
+    def _one_dynamic_source(self) -> DiscoveryConfig:
+        # Each source's update replaces the discovered pods with its own: two would evict each other.
+        if self.kubernetes is not None and self.dns is not None:
+            raise ValueError("set discovery.kubernetes or discovery.dns, not both")
+        return self
+
     @property
     def dynamic(self) -> bool:
         return self.kubernetes is not None or self.dns is not None

@@ -86,3 +86,15 @@ def test_cli_missing_file_and_no_pods_are_clear(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "cannot read config file" in missing.stderr
     empty = _serve()
     assert empty.returncode == 2 and "no pods are configured" in empty.stderr
+
+
+def test_kubernetes_and_dns_discovery_are_not_combined() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        parse_config(
+            {
+                "discovery": {
+                    "kubernetes": {"namespace": "llm", "service": "vllm"},
+                    "dns": {"host": "vllm.llm.svc", "port": 8000},
+                }
+            }
+        )
