@@ -14,6 +14,7 @@ knob                       effect on a generation request
 ``status=CODE``            answer CODE (400..599) with a vLLM error body; 503 adds Retry-After
 ``refuse=1``               reset the connection without answering
 ``unhealthy=1``            ``/health`` and ``/ping`` answer 503 (useful as a process fault)
+``health_delay_ms=N``      ``/health`` and ``/ping`` answer N ms late (an overloaded pod's probe)
 ``kv_usage=F``             ``/metrics`` reports KV-cache usage F (0..1) instead of the engine's
 ``waiting=N``              ``/metrics`` reports N waiting requests instead of the engine's
 =========================  ======================================================================
@@ -45,6 +46,7 @@ class Faults:
     status: int | None = None
     refuse: bool | None = None
     unhealthy: bool | None = None
+    health_delay_ms: float | None = None
     kv_usage: float | None = None
     waiting: int | None = None
 
@@ -92,7 +94,7 @@ def _coerce(key: str, value: Any) -> Any:
         value = int(value)
     text = str(value).strip()
     try:
-        if key == "first_token_delay_ms":
+        if key in ("first_token_delay_ms", "health_delay_ms"):
             number: float = float(text)
             if not number >= 0 or number == float("inf"):
                 raise ValueError
@@ -104,7 +106,8 @@ def _coerce(key: str, value: Any) -> Any:
             return number
         number = int(text)
     except ValueError:
-        kind = {"first_token_delay_ms": "a number of milliseconds >= 0", "kv_usage": "a fraction 0..1"}.get(
+        ms = "a number of milliseconds >= 0"
+        kind = {"first_token_delay_ms": ms, "health_delay_ms": ms, "kv_usage": "a fraction 0..1"}.get(
             key, "an integer"
         )
         raise ValueError(f"fault knob {key!r} needs {kind}, got {value!r}") from None

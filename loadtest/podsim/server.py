@@ -445,11 +445,13 @@ class Podsim:
         return self.faults.merged(parse_faults(header))
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 with an empty body, or 503 under the ``unhealthy`` fault."""
+        """200 with an empty body, or 503 under the ``unhealthy`` fault; late under ``health_delay_ms``."""
         try:
             faults = self._request_faults(request)
         except ValueError as exc:
             return ApiError(400, f"bad {FAULT_HEADER} header: {exc}").response()
+        if faults.health_delay_ms:
+            await asyncio.sleep(faults.health_delay_ms / 1000)
         return web.Response(status=503 if faults.unhealthy else 200)
 
     async def load(self, _request: web.Request) -> web.Response:
