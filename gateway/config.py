@@ -12,7 +12,17 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class _Frozen(BaseModel):
@@ -99,6 +109,53 @@ class StageOverrides(_Frozen):
     total_s: float | None = Field(default=None, gt=0)
 
 
+_STAGES = ("connect_s", "first_token_s", "stall_s")
+
+
+def _stages_over_total(
+    timeouts: TimeoutsConfig,
+    model: str | None,
+    model_overrides: StageOverrides | None,
+    tier: str | None = None,
+    tier_overrides: StageOverrides | None = None,
+) -> list[tuple[str, str]]:
+    """Each stage that outlasts the whole request once the overrides are merged (the model's, then
+    the tier's, as ``gateway.deadlines`` does): (stage key and value, total key and value). Only
+    problems the last layer takes part in are reported, so one bad key is named once."""
+    layers: list[tuple[str, TimeoutsConfig | StageOverrides]] = [("timeouts", timeouts)]
+    if model is not None and model_overrides is not None:
+        layers.append((f"timeouts.models.{model}", model_overrides))
+    if tier is not None and tier_overrides is not None:
+        layers.append((f"tiers.{tier}.timeouts", tier_overrides))
+
+    def effective(stage: str) -> tuple[float, str]:
+        for prefix, layer in reversed(layers):
+            value = getattr(layer, stage)
+            if value is not None:
+                return value, f"{prefix}.{stage}"
+        raise AssertionError("the base timeouts set every stage")
+
+    top = layers[-1][0] + "."
+    total, total_key = effective("total_s")
+    over = []
+    for stage in _STAGES:
+        value, key = effective(stage)
+        if value > total and top in (key[: len(top)], total_key[: len(top)]):
+            over.append((f"{key} ({value:g} s)", f"{total_key} ({total:g} s)"))
+    return over
+
+
+def _over_total(problems: list[tuple[str, str]]) -> str:
+    """One sentence per total that some stages outlast, each stage named once."""
+    by_total: dict[str, dict[str, None]] = {}
+    for stage, total in problems:
+        by_total.setdefault(total, {})[stage] = None
+    return "; ".join(
+        f"{', '.join(stages)} {'is' if len(stages) == 1 else 'are'} longer than {total}"
+        for total, stages in by_total.items()
+    ) + ": no stage may outlast the whole request"
+
+
 class TimeoutsConfig(_Frozen):
     """The four stages of a request's life, each with its own budget (seconds).
 
@@ -111,6 +168,18 @@ class TimeoutsConfig(_Frozen):
     stall_s: float = Field(default=30.0, gt=0)
     total_s: float = Field(default=600.0, gt=0)
     models: dict[str, StageOverrides] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _stages_within_total(self) -> TimeoutsConfig:
+        # A stage longer than the whole request never fires: the operator meant something else.
+        problems = [
+            problem
+            for model, overrides in [(None, None), *self.models.items()]
+            for problem in _stages_over_total(self, model, overrides)
+        ]
+        if problems:
+            raise ValueError(_over_total(problems))
+        return self
 
 
 Criticality = Literal["critical", "standard", "sheddable"]
@@ -299,15 +368,38 @@ class Config(_Frozen):
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
 
-    @field_validator("pods")
+    @field_validator("pods", mode="wrap")
     @classmethod
-    def _unique_names(cls, pods: tuple[PodConfig, ...]) -> tuple[PodConfig, ...]:
-        seen: set[str] = set()
-        for pod in pods:
-            if pod.name in seen:
-                raise ValueError(f"pod name {pod.name!r} is used twice; names must be unique")
-            seen.add(pod.name)
-        return pods
+    def _unique_names(cls, pods: Any, handler: ValidatorFunctionWrapHandler) -> tuple[PodConfig, ...]:
+        # Wrapped, not "after": an after-validator runs only once every pod is valid, so a duplicate
+        # name would surface only on the second try. Here it is reported beside the pods' own errors.
+        duplicates = _duplicate_names(pods)
+        try:
+            validated = handler(pods)
+        except ValidationError as exc:
+            if not duplicates:
+                raise
+            raise ValidationError.from_exception_data(exc.title, [*exc.errors(), *duplicates]) from None
+        if duplicates:
+            raise ValidationError.from_exception_data(cls.__name__, duplicates)
+        return validated
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_stages_within_total(
+        cls, tiers: dict[str, TierConfig], info: ValidationInfo
+    ) -> dict[str, TierConfig]:
+        timeouts = info.data.get("timeouts")  # absent when timeouts itself is invalid
+        if isinstance(timeouts, TimeoutsConfig):
+            problems = [
+                problem
+                for name, tier in tiers.items()
+                for model, overrides in [(None, None), *timeouts.models.items()]
+                for problem in _stages_over_total(timeouts, model, overrides, name, tier.timeouts)
+            ]
+            if problems:
+                raise ValueError(_over_total(problems))
+        return tiers
 
     @field_validator("tiers")
     @classmethod
@@ -325,12 +417,54 @@ class ConfigError(Exception):
     """A config problem worded for the operator: which file, which field, what is wrong."""
 
 
+def _duplicate_names(pods: Any) -> list[InitErrorDetails]:
+    """A "used twice" error at each repeated pod name, read from the raw list, so that a duplicate
+    is found even while other pods are invalid."""
+    if not isinstance(pods, list | tuple):
+        return []
+    seen: set[str] = set()
+    errors: list[InitErrorDetails] = []
+    for index, pod in enumerate(pods):
+        name = pod.get("name") if isinstance(pod, dict) else getattr(pod, "name", None)
+        if not isinstance(name, str) or not name:
+            continue
+        if name in seen:
+            message = "pod name '{name}' is used twice; names must be unique"
+            error = PydanticCustomError("duplicate_name", message, {"name": name})
+            errors.append(InitErrorDetails(type=error, loc=(index, "name"), input=name))
+        seen.add(name)
+    return errors
+
+
+# What a list-typed key holds (and an example), for when it is given something else, e.g. one name.
+_LIST_ITEMS: dict[str, tuple[str, str | None]] = {
+    "models": ("model names", None),
+    "api_keys": ("API keys", None),
+    "dcgm_urls": ("dcgm-exporter /metrics URLs", None),
+    "agent_urls": ("mig-agent base URLs", None),
+    "pods": ("pods", "[{name: pod-a, url: 'http://10.0.0.5:8000'}]"),
+}
+
+
+def _message(err: Any) -> str:
+    """pydantic's message, reworded where it names Python types instead of what YAML to write."""
+    kind, value = err["type"], err.get("input")
+    if kind in ("tuple_type", "list_type", "set_type", "frozen_set_type"):
+        field = next((part for part in reversed(err["loc"]) if isinstance(part, str)), "")
+        items, example = _LIST_ITEMS.get(field, ("values", None))
+        if example is None:
+            example = f"[{value}]" if isinstance(value, str) and value else "[first, second]"
+        return f"must be a list of {items}, e.g. {example}"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"must be a mapping of keys to values (YAML 'key: value' lines), not {type(value).__name__}"
+    return err["msg"].removeprefix("Value error, ")
+
+
 def _describe(exc: ValidationError, source: str) -> str:
     problems = []
     for err in exc.errors():
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
-        message = err["msg"].removeprefix("Value error, ")
-        problems.append(f"'{where}': {message}")
+        problems.append(f"'{where}': {_message(err)}")
     count = len(problems)
     return f"{source} has {count} problem{'s' if count > 1 else ''}: " + "; ".join(problems) + "."
 
