@@ -29,7 +29,12 @@ def strict(fleet: Fleet) -> Iterator[str]:
             "total_s": 30,
             "models": {"qwen-0.5b": {"first_token_s": 0.3}},
         },
-        "tiers": {"fast": {"api_keys": ["sk-fast"], "timeouts": {"total_s": 0.6}}},
+        "tiers": {  # no stage may outlast the total (a config error), so the tier shortens them too
+            "fast": {
+                "api_keys": ["sk-fast"],
+                "timeouts": {"connect_s": 0.5, "first_token_s": 0.5, "stall_s": 0.4, "total_s": 0.6},
+            }
+        },
         "pods": [
             {"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]},
             {"name": "pod-b", "url": fleet.pod_b.url, "models": ["llama-8b", "qwen-0.5b"]},
