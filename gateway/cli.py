@@ -5,50 +5,178 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from gateway.config import Config, ConfigError, load_config, parse_config, with_overrides
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.yaml"
+CONFIG_REFERENCE = "docs/configuration.md"
 
 
-def _serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML config file (see config/)")
-    parser.add_argument("--host", help="address to listen on (overrides the config)")
-    parser.add_argument("--port", type=int, help="port to listen on (overrides the config)")
+def version() -> str:
+    """The installed package's version (pyproject.toml), as pip and ``importlib.metadata`` see it."""
+    try:
+        return metadata.version("sluicegate")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions and example epilogs as written, and names every flag's default: a flag
+    whose help does not already say it gets "(default: ...)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        default = action.default
+        if default is None or default == [] or default is False:
+            shown = "off" if isinstance(action, argparse._StoreTrueAction) else "none"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def _epilog(*examples: str, notes: str = "") -> str:
+    lines = ["examples:", *(f"  {example}" for example in examples)]
+    if notes:
+        lines += ["", notes]
+    return "\n".join(lines)
+
+
+def _subcommand(
+    commands: argparse._SubParsersAction, name: str, summary: str, description: str, epilog: str
+) -> argparse.ArgumentParser:
+    return commands.add_parser(
+        name, help=summary, description=description, epilog=epilog, formatter_class=_HelpFormatter
+    )
+
+
+def _serve_arguments(parser: argparse.ArgumentParser, config_default: str) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE",
+        help=f"YAML config file; every key, its default and what it is for: {CONFIG_REFERENCE} "
+        f"(default: {config_default})",
+    )
+    parser.add_argument(
+        "--host", help="address to listen on, instead of the config's server.host (default: the config's; "
+        "127.0.0.1 when it sets none)",
+    )
+    parser.add_argument(
+        "--port", type=int, help="cleartext HTTP/1.1 and h2c port, instead of the config's server.port "
+        "(default: the config's; 8080 when it sets none)",
+    )
     parser.add_argument(
         "--upstream", metavar="URL", action="append", default=[],
-        help="add a pod by base URL, e.g. http://127.0.0.1:8000 (repeatable)",
+        help="add a pod by base URL, e.g. http://127.0.0.1:8000; repeatable; named upstream-N, its models "
+        "are asked from its /v1/models (default: none, only the config's pods)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
-        help="log verbosity (default: info)",
+        help="log verbosity",
     )
+
+
+_SERVE = """\
+Run the gateway in front of vLLM-compatible pods: the pods of --config's 'pods' list, those
+found by discovery.kubernetes or discovery.dns, and each --upstream. It listens for HTTP/1.1
+and HTTP/2 (h2c) on server.port; with server.tls, for HTTP/1.1 and HTTP/2 over TLS and HTTP/3
+(QUIC). One line 'sluicegate listening on URL' per listener is printed once all are up.
+SIGTERM or Ctrl-C drains streams in flight (server.drain_timeout_s), then exits 0.
+
+Configuration reference (every key and default): {reference}"""
+
+_DEMO = """\
+Start a simulated vLLM pod (podsim) for each pod of the config whose URL is on this machine,
+then the gateway in front of them, and print requests that work as printed (curl, the OpenAI
+SDK, and over TLS with HTTP/2 and HTTP/3). The default config runs three pods on three MIG
+slices of one simulated A100 and makes a self-signed certificate in .sluicegate-demo/.
+Ctrl-C stops the gateway and the pods together.
+
+Configuration reference (every key and default): {reference}; the demo's own: {demo}"""
+
+_PODSIM = """\
+Run one simulated vLLM pod: the OpenAI-compatible API with streaming, vLLM's /metrics names,
+a KV cache and scheduler modelled on a GPU or MIG slice, and faults injected per process
+(--fault) or per request (the x-podsim-fault header). For tests, demos and benchmarks without
+a GPU. It prints 'podsim listening on URL' once bound. See loadtest/podsim/README.md."""
+
+_AGENT = """\
+Serve this node's GPU and MIG-slice health, read from NVML (XID events included), as JSON for
+the gateway's health.devices.agent_urls. Runs once per GPU node (a DaemonSet). Exit status 2
+when NVML cannot be initialised. See docs/mig-agent.md."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sluicegate", description="A gateway for streaming LLM inference in front of vLLM pods."
+        prog="sluicegate",
+        description="A gateway for streaming LLM inference in front of vLLM pods.",
+        epilog=_epilog(
+            "sluicegate demo",
+            "sluicegate serve --config config/example.yaml",
+            notes=f"Run 'sluicegate COMMAND --help' for a command's flags. Configuration reference: "
+            f"{CONFIG_REFERENCE}.",
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"sluicegate {version()}",
+        help="print 'sluicegate VERSION' (the installed package's) and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("serve", help="run the gateway")
-    _serve_arguments(serve)
-    demo = commands.add_parser(
-        "demo", help="run simulated pods on MIG slices and the gateway in front of them"
+    serve = _subcommand(
+        commands, "serve", "run the gateway", _SERVE.format(reference=CONFIG_REFERENCE),
+        _epilog(
+            "sluicegate serve --config config/example.yaml",
+            "sluicegate serve --upstream http://10.0.0.5:8000 --upstream http://10.0.0.6:8000 --host 0.0.0.0",
+            notes="exit status: 0 after a clean shutdown, 2 for a bad config, 3 when a port is taken",
+        ),
     )
-    _serve_arguments(demo)
+    _serve_arguments(serve, "none: built-in defaults, pods from --upstream")
+    demo = _subcommand(
+        commands, "demo", "run simulated pods on MIG slices and the gateway in front of them",
+        _DEMO.format(reference=CONFIG_REFERENCE, demo="config/demo.yaml"),
+        _epilog(
+            "sluicegate demo",
+            "sluicegate demo --port 9080 --log-level warning",
+            notes="exit status: 0 after Ctrl-C, 2 for a bad config, 3 when it cannot start (a port is\n"
+            "taken, a pod simulator fails), with the pods it had started stopped again",
+        ),
+    )
+    _serve_arguments(demo, "config/demo.yaml")
     demo.set_defaults(config=str(DEMO_CONFIG))
-    podsim = commands.add_parser("podsim", help="run a simulated vLLM pod")
+    podsim = _subcommand(
+        commands, "podsim", "run a simulated vLLM pod", _PODSIM,
+        _epilog(
+            "sluicegate podsim --port 8001 --model llama-8b",
+            "sluicegate podsim --port 0 --mig-profile 1g.10gb --ttft-ms 120 --fault 'drop_after=5'",
+        ),
+    )
     from loadtest.podsim.cli import add_arguments
 
     add_arguments(podsim)
-    agent = commands.add_parser(
-        "mig-agent", help="serve this node's GPU and MIG-slice health from NVML (a DaemonSet)"
+    agent = _subcommand(
+        commands, "mig-agent", "serve this node's GPU and MIG-slice health from NVML (a DaemonSet)", _AGENT,
+        _epilog(
+            "sluicegate mig-agent --port 9477",
+            "sluicegate mig-agent --port 0 --fake-nvml spec.yaml   # no GPU: a simulated NVML "
+            "(loadtest/fakenvml.py)",
+        ),
     )
     from gateway.migagent import add_arguments as add_agent_arguments
 
     add_agent_arguments(agent)
+    for sub in (podsim, agent):
+        _name_unexplained_flags(sub)
     return parser
+
+
+def _name_unexplained_flags(parser: argparse.ArgumentParser) -> None:
+    """argparse lists a flag without help bare, default unsaid; give each at least a few words."""
+    for action in parser._actions:
+        if action.option_strings and action.help is None:
+            action.help = "log verbosity" if action.dest == "log_level" else action.dest.replace("_", " ")
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
