@@ -98,6 +98,11 @@ class UpstreamConfig(_Frozen):
     max_idle_per_pod: int = Field(default=512, ge=0, description="idle keep-alive connections kept per pod")
     keepalive_timeout_s: float = Field(default=30.0, gt=0)
     max_error_body_bytes: int = Field(default=64 * 1024, gt=0)
+    max_event_bytes: int = Field(
+        default=1024 * 1024,
+        ge=4096,
+        description="an SSE line longer than this (or more bytes before the first token) is a broken stream",
+    )
 
 
 class StageOverrides(_Frozen):

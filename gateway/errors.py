@@ -97,3 +97,9 @@ def _overloaded_text(model: str, reason: str, retry_after_s: int) -> tuple[str, 
 
 def upstream_failed(pod: str, detail: str, status: int = 502) -> GatewayError:
     return GatewayError(status, f"Upstream pod '{pod}' failed: {detail}", "upstream_error", "bad_gateway")
+
+
+def upstream_truncated(pod: str, detail: str) -> GatewayError:
+    """A pod's answer that ended without being whole (no ``[DONE]``, a choice left unfinished,
+    garbage, or an event past the size cap): never passed on as a clean end."""
+    return GatewayError(502, f"Upstream pod '{pod}' failed: {detail}", "upstream_error", "upstream_truncated")

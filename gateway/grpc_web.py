@@ -173,6 +173,7 @@ class Call:
         "_client_receive",
         "_client_send",
         "_cors",
+        "_ended",
         "_failed",
         "_http_status",
         "_limit",
@@ -208,6 +209,7 @@ class Call:
         self._status = Status.OK
         self._message = ""
         self._failed = False
+        self._ended = False  # the stream's ``data: [DONE]`` went by
         self._http_status = 0
         self._passed_back: list[tuple[bytes, bytes]] = []
         # Bound to the server's request cycle when there is one, so the relay's disconnect watch
@@ -276,6 +278,7 @@ class Call:
                 out = self._frames(message.get("body", b""))
                 more = message.get("more_body", False)
                 if not more:
+                    self._judge_end()
                     out += codec.encode_trailers(self._status, self._message)
                 if out or not more:
                     await self._client_send(
@@ -334,7 +337,10 @@ class Call:
                 data: bytes | None = event[6:]
             else:
                 data = event_data(event)
-            if data is None or data == b"[DONE]":
+            if data is None:
+                continue
+            if data == b"[DONE]":
+                self._ended = True
                 continue
             payload = token(data)
             if payload is None:
@@ -350,6 +356,18 @@ class Call:
                     continue
             out.append(codec.encode_message(payload))
         return b"".join(out)
+
+    def _judge_end(self) -> None:
+        """A stream that ends without its ``[DONE]`` (or an error) was cut short: never an OK.
+
+        The relay already turns a pod's short stream into an error event; this holds the same
+        verdict for anything else that ends the relay's SSE early or inside an event.
+        """
+        if self._failed or (self._ended and not self._rest.strip()):
+            return
+        self._failed = True
+        self._status = Status.UNAVAILABLE
+        self._message = "The answer stream ended before it was complete (no data: [DONE])."
 
     def _fail(self, error: Any) -> None:
         """An SSE error event ended the stream: its status goes into the trailers."""

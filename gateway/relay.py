@@ -14,7 +14,6 @@ proper status code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -23,10 +22,18 @@ from typing import Any
 
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
 from gateway.affinity import affinity_key
+from gateway.completeness import FinishWatch, choices_of, incomplete
 from gateway.config import Config
 from gateway.deadlines import Budget, TimeoutPolicy, timed_out
 from gateway.degrade import as_sse, non_streaming_body
-from gateway.errors import GatewayError, model_not_found, no_capacity, overloaded, upstream_failed
+from gateway.errors import (
+    GatewayError,
+    model_not_found,
+    no_capacity,
+    overloaded,
+    upstream_failed,
+    upstream_truncated,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
@@ -40,6 +47,7 @@ from transports.pod_client import (
     PodClient,
     PodConnectError,
     PodConnectTimeout,
+    PodLineTooLong,
     PodResponse,
     PodStalledError,
     StallWatch,
@@ -603,7 +611,12 @@ class Relay:
         )
 
     async def _await_first_token(self, pod: Pod, resp: PodResponse) -> bytes:
-        """Everything the pod sent up to and including the first event a client would see."""
+        """Everything the pod sent up to and including the first event a client would see.
+
+        At most ``upstream.max_event_bytes`` of it, and no line longer than that (also enforced
+        by the pod response for the rest of the stream): a pod cannot grow the gateway's memory.
+        """
+        cap = resp.max_line = self.config.upstream.max_event_bytes
         head = b""
         pos = 0
         try:
@@ -612,7 +625,10 @@ class Relay:
                 found, pos = sse.scan_first_token(head, pos)
                 if found:
                     return head
-        except sse.MalformedEvent as exc:
+                if len(head) > cap:
+                    raise sse.MalformedEvent(f"more than {cap} bytes and no token")
+        except (sse.MalformedEvent, PodLineTooLong) as exc:
+            resp.close()
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
             raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
         except PodBrokenError as exc:
@@ -641,11 +657,15 @@ class Relay:
         recorder = Recorder() if self.config.resume.enabled_for(req.model) else None
         first = recorder.filter(head) if recorder is not None else head
         await send({"type": "http.response.body", "body": first, "more_body": True})
+        choices = choices_of(req.payload)
+        finish = FinishWatch() if choices > 1 else None
+        if finish is not None:
+            finish.feed(head)
 
         # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
         # continue on another pod when this stream may be resumed
         while True:
-            err, broke = await self._pump(ex, pod, resp, recorder)
+            err, broke = await self._pump(ex, pod, resp, recorder, choices, finish)
             ex.chunks += resp.chunks
             if err is None or not broke or recorder is None:
                 break
@@ -655,16 +675,28 @@ class Relay:
             err = None
             pod, resp = resumed
         if err is not None:
-            await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
+            event = err.sse_event()
+            if recorder is None and not sse.ends_event(resp.last):
+                event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         elif resp.complete:
             self._count_tokens(ex, sse.find_usage(resp.previous + resp.last))
         ex.watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _pump(
-        self, ex: Exchange, pod: Pod, resp: PodResponse, recorder: Recorder | None
+        self,
+        ex: Exchange,
+        pod: Pod,
+        resp: PodResponse,
+        recorder: Recorder | None,
+        choices: int = 1,
+        finish: FinishWatch | None = None,
     ) -> tuple[GatewayError | None, bool]:
-        """Relay one pod's answer to its end; returns (the error that ended it, whether it broke)."""
+        """Relay one pod's answer to its end; returns (the error that ended it, whether it broke).
+
+        A stream that ends cleanly but not whole (see ``gateway/completeness.py``) is a break too.
+        """
         assert ex.budget is not None
         send = ex.send
         stall = StallWatch(resp, ex.budget.stall_s)
@@ -673,27 +705,42 @@ class Relay:
                 socket = client_socket(send)
                 if socket is not None:
                     write = socket.writer(resp)
-                    resp.splice(write if recorder is None else _recording(recorder, write, resp))
+                    sink = write if recorder is None else _recording(recorder, write, resp)
+                    resp.splice(sink if finish is None else finish.wrap(sink))
                     await resp.done
                 else:
                     while chunk := await resp.read():
+                        if finish is not None:
+                            finish.feed(chunk)
                         if recorder is not None:
                             chunk = recorder.filter(chunk)
                             if recorder.broken:
                                 resp.close(PodBrokenError("the pod reported an error mid-stream"))
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            return None, False
+            why = incomplete(resp, choices, finish)
+            if why is None:
+                return None, False
+            resp.close()  # a pod that ends answers short gets no keep-alive reuse
+            self.metrics.upstream_errors.labels(pod.name, "truncated").inc()
+            self.registry.report_failure(pod, "truncated stream")
+            ex.detail = "upstream_truncated"
+            return upstream_truncated(pod.name, f"{why}."), True
         except TimeoutError:
             resp.close()
             return self._timeout(ex, "total"), False
         except PodStalledError:
             self.registry.report_failure(pod, "stalled mid-stream")
             return self._timeout(ex, "stall"), True
+        except PodLineTooLong as exc:
+            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
+            self.registry.report_failure(pod, "oversized event")
+            ex.detail = "upstream_truncated"
+            return upstream_truncated(pod.name, f"sent an oversized event ({_reason(exc)})."), True
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             self.registry.report_failure(pod, "broke mid-stream")
             ex.detail = "upstream_broke_mid_stream"
-            return upstream_failed(pod.name, f"broke the stream mid-answer ({_reason(exc)})."), True
+            return upstream_truncated(pod.name, f"broke the stream mid-answer ({_reason(exc)})."), True
         finally:
             stall.cancel()
 
@@ -759,9 +806,15 @@ class Relay:
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             raise upstream_failed(pod.name, f"broke the answer ({_reason(exc)}).") from None
-        if content_type.startswith(_JSON):
-            with contextlib.suppress(ValueError, AttributeError):
-                self._count_tokens(ex, json.loads(body).get("usage"))
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):  # cut short, or not an answer at all: never passed on
+            self.metrics.upstream_errors.labels(pod.name, "truncated").inc()
+            detail = f"sent an answer that is not a JSON object ({len(body)} bytes, {content_type.decode()})."
+            raise upstream_truncated(pod.name, detail)
+        self._count_tokens(ex, answer.get("usage"))
         if ex.degraded is not None:
             try:
                 body = as_sse(body, ex.degraded)

@@ -43,6 +43,13 @@ class PodStalledError(PodBrokenError):
     """The pod went silent for longer than the stall timeout mid-answer (the gateway closed it)."""
 
 
+class PodLineTooLong(PodBrokenError):
+    """The pod sent more than ``max_line`` bytes without a newline (the gateway closed it)."""
+
+
+NO_LIMIT = 1 << 62
+
+
 class PodResponse:
     """One response from a pod: status and headers, then the body, read or spliced.
 
@@ -52,7 +59,7 @@ class PodResponse:
 
     __slots__ = (
         "_chunks", "_conn", "_eof", "_error", "_now", "_waiter", "chunks", "done", "headers", "last",
-        "last_at", "previous", "sink", "status",
+        "last_at", "line", "max_line", "previous", "sink", "status",
     )
 
     def __init__(self, conn: PodConnection) -> None:
@@ -69,17 +76,29 @@ class PodResponse:
         self.previous = b""
         self.last = b""
         self._now = conn.loop.time
-        self.last_at = self._now()  # when the last body chunk (or the headers) arrived
+        self.last_at = self._now()  # the last body chunk that was not a comment (or the headers)
+        self.line = 0  # bytes since the body's last newline
+        self.max_line = NO_LIMIT  # more than this without a newline ends the answer (SSE streams)
 
     # -- fed by the connection -------------------------------------------------------------------
 
     def _feed(self, body: bytes) -> None:
         if self._eof:
             return  # closed by the gateway while the parser was still delivering this read
-        self.last_at = self._now()
+        if body[:1] != b":":  # an SSE keep-alive comment is not progress for the stall watch
+            self.last_at = self._now()
         self.chunks += 1
         self.previous = self.last
         self.last = body
+        # O(1) C calls per read: an endless line (or one huge event) ends the answer, bounded
+        newline = body.rfind(b"\n")
+        if newline == -1:
+            self.line += len(body)
+            if self.line > self.max_line:
+                self.close(PodLineTooLong(f"more than {self.max_line} bytes without a newline"))
+                return
+        else:
+            self.line = len(body) - newline - 1
         sink = self.sink
         if sink is not None:
             sink(body)

@@ -2,12 +2,14 @@
 
 The relay forwards a pod's SSE bytes untouched; these functions only *look* at them where a
 decision needs it: has the first token arrived yet (so response headers can be held until then),
-and what usage did the stream report at its end. Pure functions over bytes, testable alone.
+what usage did the stream report at its end, and did it end as a whole answer at all (``[DONE]``,
+or a finish reason for every choice). Pure functions over bytes, testable alone.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 DONE = b"[DONE]"
@@ -17,13 +19,16 @@ class MalformedEvent(ValueError):
     """An SSE ``data:`` payload that is neither ``[DONE]`` nor a JSON object."""
 
 
+_BLANK_LINE = re.compile(rb"\r\n\r\n|\n\n")
+
+
 def _event_end(buf: bytes, start: int) -> tuple[int, int]:
-    """Offset of the blank line ending the event at ``start`` and its length, or (-1, 0)."""
-    lf = buf.find(b"\n\n", start)
-    crlf = buf.find(b"\r\n\r\n", start)
-    if crlf != -1 and (lf == -1 or crlf < lf):
-        return crlf, 4
-    return (lf, 2) if lf != -1 else (-1, 0)
+    """Offset of the blank line ending the event at ``start`` and its length, or (-1, 0).
+
+    One search for either ending: two ``find`` calls would each scan to the end of the buffer when
+    only the other ending occurs, which made a scan over many small events quadratic."""
+    match = _BLANK_LINE.search(buf, start)
+    return (match.start(), match.end() - match.start()) if match else (-1, 0)
 
 
 def event_data(event: bytes) -> bytes | None:
@@ -39,7 +44,8 @@ def event_data(event: bytes) -> bytes | None:
 def _carries_token(payload: dict[str, Any]) -> bool:
     if "error" in payload:
         return True
-    for choice in payload.get("choices") or ():
+    choices = payload.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
             continue
         if choice.get("finish_reason") is not None or choice.get("text"):
@@ -73,7 +79,7 @@ def scan_first_token(buf: bytes, start: int = 0) -> tuple[bool, int]:
             return True, pos
         try:
             payload = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
             raise MalformedEvent(data[:200].decode("utf-8", "replace")) from None
         if not isinstance(payload, dict):
             raise MalformedEvent(data[:200].decode("utf-8", "replace"))
@@ -93,7 +99,7 @@ def find_usage(tail: bytes) -> dict[str, int] | None:
     data = event_data(tail[begin : end if end != -1 else len(tail)])
     try:
         usage = json.loads(data or b"").get("usage")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return usage if isinstance(usage, dict) else None
 
@@ -101,3 +107,89 @@ def find_usage(tail: bytes) -> dict[str, int] | None:
 def error_event(payload: bytes) -> bytes:
     """Frame an already-encoded JSON error object as an SSE event plus the end-of-stream marker."""
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
+
+
+# -- end of stream: was the answer whole? ------------------------------------------------------------
+
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+FINISH_MARKS = (b'"finish_reason":"', b'"finish_reason": "')  # compact (vLLM) and spaced JSON
+
+
+def ends_event(buf: bytes) -> bool:
+    """Whether ``buf`` stops on an event boundary (a blank line), not inside an event."""
+    return buf.endswith(_EVENT_ENDS)
+
+
+def _events(buf: bytes) -> list[bytes]:
+    if b"\r" in buf:
+        buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return buf.split(b"\n\n")
+
+
+def finished_choices(buf: bytes) -> set[int]:
+    """The choice indices that a complete event in ``buf`` gives a ``finish_reason``."""
+    done: set[int] = set()
+    for event in _events(buf):
+        data = event_data(event)
+        if not data or b"finish_reason" not in data:
+            continue
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            continue
+        if isinstance(payload, dict):
+            done.update(_finished(payload))
+    return done
+
+
+def _finished(payload: dict[str, Any]) -> list[int]:
+    out = []
+    for choice in payload.get("choices") or ():
+        if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+            index = choice.get("index", 0)
+            out.append(index if isinstance(index, int) else 0)
+    return out
+
+
+def stream_incomplete(
+    tail: bytes, choices: int = 1, finished: set[int] | frozenset[int] = frozenset()
+) -> str | None:
+    """Why a stream whose last bytes were ``tail`` did not end as a whole answer; None if it did.
+
+    Whole means: the last event is ``data: [DONE]``; or (a server that omits the marker) the
+    stream stops on an event boundary, its last data event is a JSON object, and every choice
+    ``0..choices-1`` got a ``finish_reason`` (in the tail, or in ``finished`` seen earlier).
+    Called once per stream on the last two reads, never per token.
+    """
+    if not tail:
+        return "the stream ended with no bytes"
+    if not ends_event(tail):
+        return "the stream ended inside an event"
+    events = [e for e in _events(tail) if e.strip()]
+    last = event_data(events[-1]) if events else None
+    if last is not None and last.strip() == DONE:
+        return None
+    done = set(finished)
+    last_ok = False
+    for event in events:
+        data = event_data(event)
+        if data is None and all(line.startswith(b":") for line in event.split(b"\n") if line):
+            continue  # a comment (keep-alive)
+        last_ok = False
+        if data is None:
+            continue  # no data field: not SSE an SDK could use (an HTML error page, say)
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(payload, dict) or "error" in payload:
+            continue
+        last_ok = True
+        done.update(_finished(payload))
+    if not last_ok:
+        return "the stream ended on an event that is not a chunk of the answer"
+    missing = [i for i in range(choices) if i not in done]
+    if missing:
+        which = "its choice" if choices == 1 else f"choice(s) {', '.join(map(str, missing[:8]))}"
+        return f"the stream ended without data: [DONE] and without a finish_reason for {which}"
+    return None

@@ -1,0 +1,54 @@
+"""Was a relayed stream whole? The relay's end-of-stream verdict, kept off the per-token path.
+
+A pod (or anything that speaks for it) can end a stream cleanly, at the HTTP level, long before
+the answer was: a terminated chunked body after two tokens, a finish-less last chunk, a line of
+garbage. An SDK reading such a stream sees a short answer and no error. The relay therefore
+judges every stream once, at its end, from the last two pod reads it already keeps (see
+``transports.sse.stream_incomplete``); per token it only splices bytes. Requests with ``n > 1``,
+whose choices finish at different times, also note finish reasons as they pass, by a substring
+test on each read (the JSON is parsed only for the few reads that carry one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from transports import sse
+from transports.pod_client import PodResponse
+
+_MARK, _SPACED = sse.FINISH_MARKS
+
+
+def choices_of(payload: dict[str, Any]) -> int:
+    """How many choices the request asked for (``n``), each of which must finish."""
+    n = payload.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+class FinishWatch:
+    """The choice indices given a ``finish_reason`` so far (only for ``n > 1``)."""
+
+    __slots__ = ("finished",)
+
+    def __init__(self) -> None:
+        self.finished: set[int] = set()
+
+    def feed(self, body: bytes) -> None:
+        if _MARK in body or _SPACED in body:
+            self.finished |= sse.finished_choices(body)
+
+    def wrap(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        feed = self.feed
+
+        def watched(body: bytes) -> None:
+            feed(body)
+            sink(body)
+
+        return watched
+
+
+def incomplete(resp: PodResponse, choices: int, watch: FinishWatch | None) -> str | None:
+    """Why ``resp``'s stream was not a whole answer, or None when it was."""
+    finished = watch.finished if watch is not None else frozenset()
+    return sse.stream_incomplete(resp.previous + resp.last, choices, finished)
