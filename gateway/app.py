@@ -184,7 +184,11 @@ class Gateway:
 
     async def admin_pods(self, _request: Request) -> Response:
         return JSONResponse(
-            {"pods": self.registry.snapshot(), "failing_open": sorted(self.registry.failing_open)}
+            {
+                "pods": self.registry.snapshot(),
+                "failing_open": sorted(self.registry.failing_open),
+                "panic": sorted(self.registry.panicking),
+            }
         )
 
     async def clear_pod(self, request: Request) -> Response:

@@ -252,6 +252,11 @@ class PressureConfig(_Frozen):
     sheddable_kv: float = Field(default=0.80, gt=0, le=1, description="sheddable traffic stops here")
     sheddable_waiting: float = Field(default=8, gt=0)
 
+    passive_window_s: float = Field(
+        default=10.0, ge=0,
+        description="a probe that times out is not held against a pod that returned a first token or a "
+        "2xx answer to live traffic this recently (an overloaded pod is slow, not broken); 0: never excused",
+    )
     @model_validator(mode="after")
     def _low_under_high(self) -> PressureConfig:
         if self.kv_low > self.kv_high or self.waiting_low > self.waiting_high:
@@ -302,6 +307,11 @@ class RetryConfig(_Frozen):
 
     max_attempts: int = Field(default=3, ge=1, description="attempts per request, the first included")
     budget_ratio: float = Field(default=0.2, ge=0, le=1, description="retries / requests, over 10 s")
+    panic_threshold_percent: float = Field(
+        default=50.0, ge=0, le=100,
+        description="Envoy's healthy panic threshold: when probes alone would leave fewer than this share "
+        "of a model's live pods routable, route across all of them (device faults still exclude); 0: off",
+    )
     min_retries_per_s: float = Field(default=3.0, ge=0, description="the budget's floor")
     backoff_base_s: float = Field(default=0.025, ge=0)
     backoff_max_s: float = Field(default=0.25, ge=0)

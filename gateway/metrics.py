@@ -173,6 +173,26 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.panic = Gauge(
+            "sluicegate_panic",
+            "1 while probes alone would leave too few of the model's pods routable (healthy panic "
+            "threshold): routing spans every live pod, device faults still excluded.",
+            ["model"],
+            registry=registry,
+        )
+        self.probes = Histogram(
+            "sluicegate_probe_duration_seconds",
+            "Round trip of each /health probe as the prober's own thread timed it, by outcome.",
+            ["pod", "outcome"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=registry,
+        )
+        self.probes_excused = Counter(
+            "sluicegate_probe_timeouts_excused_total",
+            "Probe timeouts not held against a pod because it served live traffic within the passive window.",
+            ["pod"],
+            registry=registry,
+        )
 
     def watch_runtime(self, tasks: Callable[[], int], upstream_connections: Callable[[], int]) -> None:
         """Gauges read at scrape time, so a leak of tasks or pod connections shows on a graph."""

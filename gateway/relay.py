@@ -477,6 +477,9 @@ class Relay:
             req.model, exclude=tuple(tried), criticality=ex.criticality, **self._affinity_of(ex)
         )
         if pod is None:
+            status, _, retry_after = self.registry.shed_reason(req.model, ex.criticality)
+            if status == 503:  # the last live pod just went (refused): say so as later requests will hear
+                raise no_capacity(req.model, min(retry_after, self.config.shedding.retry_after_max_s))
             raise failure.error
         if not self.retry_budget.try_retry(loop_time):
             self.metrics.retries_denied.inc()
@@ -557,8 +560,9 @@ class Relay:
                 ex.budget.connect_s,
             )
         except PodConnectTimeout:
+            # A full accept queue under load times connects out too: the outlier breaker hears of it
+            # (as a Retryable), but only a refusal says the pod is gone.
             self.metrics.upstream_errors.labels(pod.name, "connect").inc()
-            pod.reachable = False
             pod.last_error = "connect timed out"
             raise Retryable(self._timeout(ex, "connect"), "connect_timeout") from None
         except PodConnectError as exc:

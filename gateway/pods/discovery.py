@@ -40,11 +40,12 @@ async def refresh_pod(
     before = pod.models
     try:
         models = await probe(pod, session, config.probe_timeout_s)
-    except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
-        if pod.reachable or pod.last_probe is None:
-            log.warning("pod %s (%s) is unreachable: %s", pod.name, pod.url, exc or type(exc).__name__)
-        pod.reachable = False
-        pod.last_error = str(exc) or type(exc).__name__
+    except TimeoutError:
+        if not pod.serving(time.monotonic()):
+            _unreachable(pod, f"/v1/models timed out after {config.probe_timeout_s:g} s")
+        # else: slow under load while live traffic gets answers; overload is not absence
+    except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
+        _unreachable(pod, str(exc) or type(exc).__name__)
     else:
         if not pod.reachable:
             log.info("pod %s (%s) is reachable, serving %s", pod.name, pod.url, sorted(models))
@@ -55,6 +56,13 @@ async def refresh_pod(
     pod.last_probe = time.monotonic()
     metrics.pod_up.labels(pod.name).set(1 if pod.reachable else 0)
     return pod.models != before
+
+
+def _unreachable(pod: Pod, why: str) -> None:
+    if pod.reachable or pod.last_probe is None:
+        log.warning("pod %s (%s) is unreachable: %s", pod.name, pod.url, why)
+    pod.reachable = False
+    pod.last_error = why
 
 
 async def refresh_all(

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
@@ -21,6 +22,7 @@ from gateway.health.dcgm import parse_dcgm
 from gateway.health.mig_agent import parse_agent_devices
 from gateway.health.verdict import DeviceKey, DeviceVerdict
 from gateway.health.vllm_metrics import PodLoad, parse_vllm_metrics
+from gateway.pods.prober import ProbeResult, probe_health
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.pods.state import Load
 
@@ -117,8 +119,17 @@ class PodMonitor:
         self.session = session
         self.config = config
         self.devices = DeviceFaults()
+        self._probe_threads: ThreadPoolExecutor | None = None
 
     async def run(self) -> None:
+        self._probe_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluicegate-probe")
+        try:
+            await self._run()
+        finally:
+            self._probe_threads.shutdown(wait=False, cancel_futures=True)
+            self._probe_threads = None
+
+    async def _run(self) -> None:
         loops = [self._every(self.config.probe.interval_s, self.probe_all),
                  self._every(self.config.scrape.interval_s, self.scrape_all),
                  self._every(1.0, self._tick)]
@@ -151,20 +162,40 @@ class PodMonitor:
         await asyncio.gather(*(self.probe(pod) for pod in self.registry.pods))
 
     async def probe(self, pod: Pod) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.probe.timeout_s)
-        detail = ""
-        try:
-            async with self.session().get(pod.url + "/health", timeout=timeout) as resp:
-                ok = resp.status == 200
-                detail = f"HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            ok, detail = False, str(exc) or type(exc).__name__
-        now = time.monotonic()
-        if ok and pod.health.quarantine_over(now, self.config.devices.quarantine_s):
+        """One probe, timed on a probe thread (see ``prober``), and what it means for the pod.
+
+        A probe that timed out is not held against a pod that live traffic shows serving (a first
+        token or a 2xx within ``passive_window_s``): overload is not failure. An answer that is not
+        200, or a refused connection, counts whatever the traffic says.
+        """
+        loop = asyncio.get_running_loop()
+        timeout_s = self.config.probe.timeout_s
+        if self._probe_threads is None:  # not running (a test calling probe directly)
+            result = await loop.run_in_executor(None, probe_health, pod.host, pod.port, pod.tls, timeout_s)
+        else:
+            result = await loop.run_in_executor(
+                self._probe_threads, probe_health, pod.host, pod.port, pod.tls, timeout_s
+            )
+        self.record_probe(pod, result, time.monotonic())
+
+    def record_probe(self, pod: Pod, result: ProbeResult, now: float) -> None:
+        metrics = self.registry.metrics
+        if metrics is not None:
+            metrics.child(metrics.probes, pod.name, result.outcome).observe(result.seconds)
+        if not result.ok and not result.hard and pod.serving(now):
+            if metrics is not None:
+                metrics.child(metrics.probes_excused, pod.name).inc()
+            if pod.health.probe_excused():
+                log.warning(
+                    "pod %s: /health %s but live traffic got answers %.1f s ago: overloaded, not broken",
+                    pod.name, result.detail, now - pod.served_at,
+                )
+            return
+        if result.ok and pod.health.quarantine_over(now, self.config.devices.quarantine_s):
             log.warning("pod %s: quarantine over; clearing %s", pod.name, pod.health.device_fault)
             self.devices.clear(pod)
             self.registry.health_changed(pod, pod.health.set_device_fault(None, now))
-        self.registry.health_changed(pod, pod.health.probe_result(ok, detail))
+        self.registry.health_changed(pod, pod.health.probe_result(result.ok, result.detail, result.hard))
 
     # -- the pods' own metrics ----------------------------------------------------------------------
 

@@ -36,6 +36,13 @@ log = logging.getLogger("sluicegate.pods")
 # this gateway's own in-flight count breaks ties and covers the time between two scrapes.
 _IN_FLIGHT_WEIGHT = 0.02
 
+_MODE_LOG = {  # (is the panic mode, entering) -> what the operator reads
+    (False, True): "no fresh metrics from any pod: routing on in-flight counts alone",
+    (False, False): "fresh metrics again: pressure-aware routing resumed",
+    (True, True): "too few pods pass their probes (panic threshold): routing across every live pod",
+    (True, False): "enough pods pass their probes again: panic routing over",
+}
+
 class Pod:
     """One pod: what it is (from config) and how it is doing now (mutated on the event loop)."""
 
@@ -50,9 +57,11 @@ class Pod:
         "models",
         "name",
         "outlier",
+        "passive_window_s",
         "port",
         "pressure",
         "reachable",
+        "served_at",
         "tls",
         "url",
         "waiting_high",
@@ -79,11 +88,23 @@ class Pod:
         self.outlier = OutlierDetector(health.outlier)
         self.load = Load()
         self.waiting_high = health.pressure.waiting_high
+        self.served_at = -1e9  # when live traffic last got a first token or a 2xx from it (monotonic)
+        self.passive_window_s = health.probe.passive_window_s
 
     @property
     def routable(self) -> bool:
         """Healthy enough for traffic (pressure and ejections aside)."""
         return self.reachable and bool(self.models) and self.health.routable
+
+    @property
+    def alive(self) -> bool:
+        """Could be serving, whatever its probes say: reachable and not condemned (no device fault,
+        not draining, not a pod that said it is broken). The panic threshold routes across these."""
+        return self.reachable and bool(self.models) and not self.health.condemned
+
+    def serving(self, now: float) -> bool:
+        """Whether live traffic got a first token or a 2xx answer from it within the passive window."""
+        return now - self.served_at <= self.passive_window_s
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.load.scraped_at is not None and now - self.load.scraped_at <= stale_after_s
@@ -131,6 +152,7 @@ class Pod:
                     "age_s": None if load.scraped_at is None else round(now - load.scraped_at, 3),
                 },
                 "in_flight": self.in_flight,
+                "last_served_age_s": round(now - self.served_at, 3) if self.served_at > 0 else None,
                 "last_error": self.last_error,
                 "last_probe_age_s": None
                 if self.last_probe is None
@@ -154,6 +176,7 @@ class PodRegistry:
         self._by_model: dict[str, tuple[Pod, ...]] = {}
         self._tiebreak = itertools.count()
         self.failing_open: set[str] = set()  # models routed without pressure data (all stale)
+        self.panicking: set[str] = set()  # models routed across every live pod (panic threshold)
         self.reindex()
         for pod in self.pods:
             self._publish(pod)
@@ -195,7 +218,27 @@ class PodRegistry:
         return sorted(self._by_model)
 
     def routable_models(self) -> list[str]:
-        return sorted(m for m, pods in self._by_model.items() if any(p.routable for p in pods))
+        return sorted(m for m, pods in self._by_model.items() if self._routable(m, pods))
+
+    def _routable(self, model: str, candidates: tuple[Pod, ...]) -> list[Pod]:
+        """The model's pods that health allows: the routable ones, or, below the panic threshold,
+        every live one.
+
+        Envoy's healthy panic threshold: when probes alone would leave fewer than
+        ``panic_threshold_percent`` of the pods that could be serving, the probes are more likely
+        wrong (an overload that slows ``/health`` everywhere, a probe path problem) than that many
+        pods broken at once; routing across all of them beats refusing everyone. Pods with a device
+        fault, draining, or that said they are broken are never included.
+        """
+        routable = [p for p in candidates if p.routable]
+        threshold = self.health_config.panic_threshold_percent
+        if threshold > 0:
+            alive = [p for p in candidates if p.alive]
+            if len(routable) * 100 < threshold * len(alive):
+                self._set_mode(model, self.panicking, True, self.metrics.panic if self.metrics else None)
+                return alive
+        self._set_mode(model, self.panicking, False, self.metrics.panic if self.metrics else None)
+        return routable
 
     def pick(
         self,
@@ -222,7 +265,8 @@ class PodRegistry:
             return None
         now = time.monotonic() if now is None else now
         stale_after = self.health_config.scrape.stale_after_s
-        usable = [p for p in candidates if p.routable and p not in exclude and p.outlier.admits()]
+        eligible = self._routable(model, candidates)
+        usable = [p for p in eligible if p not in exclude and p.outlier.admits()]
         if not usable:
             return None
         fresh = [p for p in usable if p.fresh(now, stale_after)]
@@ -233,7 +277,7 @@ class PodRegistry:
                 if criticality == "sheddable":
                     fresh = [p for p in fresh if p.pressure.admits_sheddable(p.load)]
             usable = fresh
-        elif all(not p.fresh(now, stale_after) for p in candidates if p.routable):
+        elif all(not p.fresh(now, stale_after) for p in eligible):
             self._set_fail_open(model, True)
         else:
             usable = []
@@ -284,16 +328,19 @@ class PodRegistry:
         return None
 
     def _set_fail_open(self, model: str, failing: bool) -> None:
-        if failing == (model in self.failing_open):
+        self._set_mode(model, self.failing_open, failing, self.metrics.fail_open if self.metrics else None)
+
+    def _set_mode(self, model: str, models: set[str], on: bool, gauge: Any) -> None:
+        """Enter or leave a routing mode for a model (fail-open, panic): log it and set its gauge."""
+        if on == (model in models):
             return
-        if failing:
-            self.failing_open.add(model)
-            log.warning("no fresh metrics from any pod of %s: routing on in-flight counts alone", model)
+        if on:
+            models.add(model)
         else:
-            self.failing_open.discard(model)
-            log.info("fresh metrics again for %s: pressure-aware routing resumed", model)
-        if self.metrics is not None:
-            self.metrics.fail_open.labels(model).set(1 if failing else 0)
+            models.discard(model)
+        log.warning("%s: %s", model, _MODE_LOG[models is self.panicking, on])
+        if gauge is not None:
+            gauge.labels(model).set(1 if on else 0)
 
     def shed_reason(self, model: str, criticality: str, now: float | None = None) -> tuple[int, str, int]:
         """Why ``pick`` found nothing: (status, reason, Retry-After seconds).
@@ -302,7 +349,7 @@ class PodRegistry:
         pod of the model is healthy at all.
         """
         now = time.monotonic() if now is None else now
-        pods = [p for p in self._by_model.get(model, ()) if p.routable]
+        pods = self._routable(model, self._by_model.get(model, ()))
         if not pods:
             return 503, "no_healthy_pod", 5
         waits = []
@@ -322,6 +369,8 @@ class PodRegistry:
     # -- what the request path reports back ------------------------------------------------------
 
     def report_success(self, pod: Pod) -> None:
+        """A first token or a 2xx answer: the outlier breaker closes, and it is evidence of life."""
+        pod.served_at = time.monotonic()
         if pod.outlier.success() is not None:
             self._transition(pod, "outlier", CLOSED, "a request succeeded")
 
@@ -344,6 +393,8 @@ class PodRegistry:
     def health_changed(self, pod: Pod, new_state: str | None) -> None:
         if new_state is not None:
             self._transition(pod, "health", new_state, pod.health.reason)
+            for model in pod.models:  # enter or leave a panic now, not at the next request
+                self._routable(model, self._by_model.get(model, ()))
 
     def load_changed(self, pod: Pod, opened: bool | None) -> None:
         if self.metrics is not None:
@@ -391,7 +442,7 @@ class PodRegistry:
         return None
 
     def ready(self) -> bool:
-        return any(pod.routable for pod in self.pods)
+        return any(self._routable(model, pods) for model, pods in self._by_model.items())
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -31,10 +31,16 @@ class HealthState:
     but last in line). A device fault (critical XID, double-bit ECC, Kubernetes ``Unhealthy``) makes
     it unhealthy at once and stays until it is cleared (the pod replaced, an operator, or the
     quarantine ending with clean probes).
+
+    Probe failures come in two kinds. A pod that *answers* that it is broken (vLLM's 503 when its
+    engine died) or refuses the connection is believed: a ``hard`` failure. A probe that merely timed
+    out is ``soft`` evidence: an overloaded pod is slow to answer ``/health`` while it streams tokens
+    to everyone it admitted. The registry's panic threshold may override an unhealthy state made of
+    soft failures only (``condemned`` is False), never a hard one, a device fault or a drain.
     """
 
-    __slots__ = ("_config", "device_fault", "device_fault_at", "draining", "failures", "probed", "reason",
-                 "state", "successes")
+    __slots__ = ("_config", "device_fault", "device_fault_at", "draining", "excused", "failures", "probed",
+                 "reason", "soft", "state", "successes")
 
     def __init__(self, config: ProbeConfig) -> None:
         self._config = config
@@ -46,18 +52,30 @@ class HealthState:
         self.device_fault: str | None = None
         self.device_fault_at = 0.0
         self.draining = False
+        self.soft = True  # every failure of the current (or last) streak was a timeout
+        self.excused = False  # the last probe timed out while the pod was serving live traffic
 
-    def probe_result(self, ok: bool, detail: str = "") -> str | None:
-        """Record one probe; returns the new state when it changed."""
+    def probe_result(self, ok: bool, detail: str = "", hard: bool = True) -> str | None:
+        """Record one probe (``hard``: the pod answered or refused, not a timeout); returns the new
+        state when it changed."""
         self.probed = True
+        self.excused = False
         if ok:
             self.failures = 0
             self.successes += 1
         else:
+            self.soft = not hard if self.failures == 0 else self.soft and not hard
             self.successes = 0
             self.failures += 1
             self.reason = f"probe failed: {detail}" if detail else "probe failed"
         return self._settle()
+
+    def probe_excused(self) -> bool:
+        """A probe timed out while live traffic shows the pod serving: neither a failure nor a
+        success. Returns True for the first of a run (worth a log line)."""
+        first = not self.excused
+        self.excused = True
+        return first
 
     def set_device_fault(self, reason: str | None, now: float) -> str | None:
         """A device source's verdict: a reason makes the pod unhealthy; None clears the fault."""
@@ -97,6 +115,11 @@ class HealthState:
     @property
     def routable(self) -> bool:
         return self.state in (HEALTHY, DEGRADED)
+
+    @property
+    def condemned(self) -> bool:
+        """Out for a reason no panic overrides: a device fault, a drain, or a pod that said it is broken."""
+        return self.device_fault is not None or self.draining or (self.state == UNHEALTHY and not self.soft)
 
 
 @dataclass(slots=True)
