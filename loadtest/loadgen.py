@@ -73,6 +73,7 @@ class LoadSpec:
     max_tokens: int = 64
     ramp_s: float = 0.0
     think_s: float = 0.0
+    duration_s: float = 0.0  # > 0: each stream stops sending after this long (``requests`` is then a cap)
     timeout_s: float = 300.0
     connect_timeout_s: float = 30.0
     check_tokens: bool = True
@@ -256,6 +257,8 @@ class LoadGenerator:
         succeeded = 0
         try:
             for number in range(spec.requests):
+                if spec.duration_s > 0 and time.perf_counter() - start >= spec.duration_s:
+                    break
                 if number and spec.think_s > 0:
                     await asyncio.sleep(spec.think_s)
                 if conn is None or conn.closed:
