@@ -725,6 +725,113 @@ def test_process_faults_via_admin_api_spare_admin_and_metrics(sim: PodsimProcess
     assert httpx.post(sim.url + "/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def _events_any(body: bytes) -> list[bytes]:
+    """Blank-line separated events, whatever their framing (fault shapes break vLLM's)."""
+    return [e for e in body.split(b"\n\n") if e]
+
+
+def _finished(body: bytes) -> bool:
+    return re.search(rb'"finish_reason":"', body) is not None
+
+
+@pytest.mark.parametrize(
+    ("fault", "tokens", "last"),
+    [
+        ("end_after=2", 2, None),
+        ("garbage_after=2", 2, b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
+        ("bad_utf8_after=2", 3, b"\xff\xfe"),
+        ("no_finish=1", 12, None),
+    ],
+)
+def test_clean_end_knobs_end_the_chunked_body_short_of_the_answer(
+    sim: PodsimProcess, fault: str, tokens: int, last: bytes | None
+) -> None:
+    resp = _faulty(sim, fault)  # the chunked body ends well: httpx raises nothing
+    assert resp.status_code == 200
+    body = resp.content
+    assert b"[DONE]" not in body and not _finished(body)
+    events = _events_any(body)
+    if last is not None:
+        assert last in events[-1]
+    content = [e for e in events if b'"content":"' in e and b'"content":""' not in e]
+    assert len(content) == tokens
+    if fault == "bad_utf8_after=2":
+        with pytest.raises(UnicodeDecodeError):
+            events[-1].decode()
+    metric = metric_value(sim.url, "podsim:faults_injected", "podsim:faults_injected_total")
+    assert metric >= 1
+
+
+def test_close_after_ends_with_a_fin_and_no_terminating_chunk(sim: PodsimProcess) -> None:
+    received = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"),
+        httpx.stream(
+            "POST", sim.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+            headers={"x-podsim-fault": "close_after=3"},
+        ) as resp,
+    ):  # fmt: skip
+        for data in resp.iter_bytes():
+            received += data
+    assert b"[DONE]" not in received and len(tokens_of(sse_events(received))) == 3
+
+
+def test_huge_event_after_sends_one_multi_megabyte_event_then_carries_on(sim: PodsimProcess) -> None:
+    body = _faulty(sim, "huge_event_after=1").content
+    events = sse_events(body)
+    sizes = sorted(len(e) for e in events)
+    assert sizes[-1] > 4 * 1024 * 1024 > sizes[-2]
+    assert events[-1] == b"[DONE]" and len(tokens_of(events)) == 13  # the huge one is a token too
+
+
+@pytest.mark.parametrize("fault", ["endless_line_after=2", "keepalive_after=2"])
+async def test_open_ended_knobs_send_forever_until_the_client_leaves(sim: PodsimProcess, fault: str) -> None:
+    def aborts() -> float:
+        return metric_value(sim.url, "podsim:aborts", "podsim:aborts_total", model_name="abortable")
+
+    before = aborts()
+    received = bytearray()
+    async with (
+        httpx.AsyncClient(timeout=5) as client,
+        client.stream(
+            "POST", sim.url + "/v1/chat/completions", json={**CHAT, "model": "abortable", "stream": True},
+            headers={"x-podsim-fault": fault},
+        ) as resp,
+    ):  # fmt: skip
+        async for data in resp.aiter_bytes():
+            received += data
+            if len(received) > 3 * 1024 * 1024 or received.count(b": keep-alive\n\n") >= 3:
+                break
+    head, _, rest = bytes(received).partition(b'data: {"id":"A' if "endless" in fault else b": keep-alive")
+    assert len(tokens_of(sse_events(head))) == 2 and b"[DONE]" not in received
+    if "endless" in fault:
+        assert len(rest) > 2 * 1024 * 1024 and b"\n" not in rest  # megabytes, never a newline
+    else:
+        assert set(_events_any(b": keep-alive" + rest)) == {b": keep-alive"}
+    await eventually(lambda: aborts() == before + 1)  # the pod saw the client go
+
+
+@pytest.mark.parametrize("fault", ["end_after=2", "garbage_after=2", "bad_utf8_after=2"])
+def test_clean_end_knobs_make_a_whole_answer_that_is_not_json(sim: PodsimProcess, fault: str) -> None:
+    resp = httpx.post(sim.url + "/v1/chat/completions", json=CHAT, headers={"x-podsim-fault": fault})
+    assert resp.status_code == 200 and int(resp.headers["content-length"]) == len(resp.content)
+    with pytest.raises(ValueError):
+        json.loads(resp.content)
+    stream_only = httpx.post(
+        sim.url + "/v1/chat/completions", json=CHAT, headers={"x-podsim-fault": "keepalive_after=2"}
+    )
+    assert stream_only.status_code == 200 and stream_only.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_truncation_knobs_parse() -> None:
+    faults = parse_faults("end_after=2;no_finish=1;endless_line_after=0")
+    assert faults == Faults(end_after=2, no_finish=True, endless_line_after=0)
+    assert faults.any_stream_fault() and parse_faults(faults.to_spec()) == faults
+    for bad in ("no_finish=2", "garbage_after=-1", "huge_event_after=x"):
+        with pytest.raises(ValueError):
+            parse_faults(bad)
+
+
 def test_kv_usage_and_waiting_change_at_runtime_via_admin_faults(sim: PodsimProcess) -> None:
     def gauge(name: str) -> float:
         return metric_value(sim.url, name, name, model_name="llama-8b")

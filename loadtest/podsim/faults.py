@@ -11,6 +11,14 @@ knob                       effect on a generation request
 ``drop_after=N``           after N tokens abort the TCP connection (no terminating chunk)
 ``malformed_after=N``      after N tokens send one event that is not JSON, then carry on
 ``error_after=N``          after N tokens send vLLM's mid-stream error event, then ``[DONE]``
+``end_after=N``            after N tokens end the chunked body cleanly: no finish_reason, no ``[DONE]``
+``close_after=N``          after N tokens close the connection (FIN) without the terminating chunk
+``no_finish=1``            the answer's last chunk has no finish_reason, then a clean end, no ``[DONE]``
+``garbage_after=N``        after N tokens one line that is neither SSE nor JSON, then a clean end
+``bad_utf8_after=N``       after N tokens a data line with invalid UTF-8, then a clean end
+``endless_line_after=N``   after N tokens a data line that never ends: bytes, never a newline
+``huge_event_after=N``     after N tokens one valid 4 MiB token event, then carry on
+``keepalive_after=N``      after N tokens only ``: keep-alive`` comments, forever, connection open
 ``status=CODE``            answer CODE (400..599) with a vLLM error body; 503 adds Retry-After
 ``refuse=1``               reset the connection without answering
 ``unhealthy=1``            ``/health`` and ``/ping`` answer 503 (useful as a process fault)
@@ -30,8 +38,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-_COUNT_KNOBS = ("stall_after", "drop_after", "malformed_after", "error_after")
-_FLAG_KNOBS = ("refuse", "unhealthy")
+_COUNT_KNOBS = (
+    "stall_after", "drop_after", "malformed_after", "error_after", "end_after", "close_after",
+    "garbage_after", "bad_utf8_after", "endless_line_after", "huge_event_after", "keepalive_after",
+)  # fmt: skip
+_FLAG_KNOBS = ("refuse", "unhealthy", "no_finish")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +54,14 @@ class Faults:
     drop_after: int | None = None
     malformed_after: int | None = None
     error_after: int | None = None
+    end_after: int | None = None
+    close_after: int | None = None
+    no_finish: bool | None = None
+    garbage_after: int | None = None
+    bad_utf8_after: int | None = None
+    endless_line_after: int | None = None
+    huge_event_after: int | None = None
+    keepalive_after: int | None = None
     status: int | None = None
     refuse: bool | None = None
     unhealthy: bool | None = None
@@ -69,7 +88,7 @@ class Faults:
         return ";".join(f"{k}={_fmt(v)}" for k, v in self.to_dict().items())
 
     def any_stream_fault(self) -> bool:
-        """Whether a token-position fault (stall, drop, malformed, error) is set."""
+        """Whether a token-position fault (stall, drop, malformed, error, an early end...) is set."""
         return any(getattr(self, name) is not None for name in _COUNT_KNOBS)
 
     def __bool__(self) -> bool:

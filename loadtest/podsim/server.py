@@ -39,7 +39,16 @@ log = logging.getLogger("podsim")
 VLLM_VERSION = "0.33.0"
 FAULT_HEADER = "x-podsim-fault"
 READY_PREFIX = "podsim listening on "
-_FAULT_ORDER = ("malformed_after", "error_after", "drop_after", "stall_after")
+_FAULT_ORDER = (
+    "malformed_after", "huge_event_after", "error_after", "garbage_after", "bad_utf8_after", "end_after",
+    "close_after", "drop_after", "endless_line_after", "keepalive_after", "stall_after",
+)  # fmt: skip
+_CARRY_ON = ("malformed_after", "huge_event_after")  # one odd event, then the answer goes on
+_CLEAN_END = {"end_after": b"", "garbage_after": wire.GARBAGE, "bad_utf8_after": wire.BAD_UTF8}
+_STREAM_ONLY = ("huge_event_after", "endless_line_after", "keepalive_after")
+ENDLESS_PIECE = 64 * 1024  # bytes per write of an endless line
+ENDLESS_BUFFER = 1024 * 1024  # ... written only while the peer's unread bytes stay under this
+KEEPALIVE_S = 0.05  # one comment this often
 
 
 @dataclass
@@ -164,6 +173,7 @@ class _StreamSink:
         "fmt",
         "heads",
         "job",
+        "no_finish",
         "offset",
         "pending",
         "post",
@@ -171,6 +181,7 @@ class _StreamSink:
         "stalled",
         "started",
         "stats",
+        "timer",
         "tokens",
         "transport",
     )
@@ -206,6 +217,8 @@ class _StreamSink:
         self.client_gone = False
         self.dropped = False
         self.stalled = False
+        self.no_finish = bool(faults.no_finish)
+        self.timer: asyncio.TimerHandle | None = None
 
     def emit(self, seq: Sequence) -> None:
         """Every token but the first and the last: the hot path."""
@@ -252,8 +265,8 @@ class _StreamSink:
             _, _, knob = self.pending.pop(0)
             self.fault_at = self.pending[0][0] if self.pending else -1
             self.stats.count_fault(knob)
-            if knob == "malformed_after":
-                parts.append(wire.MALFORMED)
+            if knob in _CARRY_ON:
+                parts.append(wire.MALFORMED if knob == "malformed_after" else fmt.token(wire.HUGE_TOKEN))
                 continue
             if knob == "error_after":
                 parts += (wire.MIDSTREAM_ERROR, wire.DONE)
@@ -261,17 +274,39 @@ class _StreamSink:
                 self.engine.abort(seq)
                 self._resolve("error")
                 return
+            if knob in _CLEAN_END:  # the body ends well at the HTTP level, short of the answer
+                parts.append(_CLEAN_END[knob] if knob != "bad_utf8_after" else fmt.token(wire.BAD_UTF8))
+                self._write(parts)
+                self.engine.abort(seq)
+                self._resolve("truncated")
+                return
             self._write(parts)
             self.engine.abort(seq)
             if knob == "drop_after":
                 self.dropped = True
                 self.transport.abort()
-            else:  # stall_after: silence, connection left open until the client gives up
+            elif knob == "close_after":
+                self.dropped = True
+                self.transport.close()  # FIN once written, no terminating chunk
+            else:  # stall, keep-alives, an endless line: the connection stays open until the client goes
                 self.stalled = True
+                if knob == "keepalive_after":
+                    self._keepalive()
+                elif knob == "endless_line_after":
+                    self._write([wire.ENDLESS_HEAD])
+                    self._endless()
             return
         if final:
             eos = seq.final_reason == "stop"
             token = b"" if eos else self.tokens[self.offset + generated]
+            if self.no_finish:  # the last chunk says nothing of an end, and no [DONE] follows
+                parts.append(fmt.token(token))
+                if job.include_usage:
+                    parts.append(fmt.usage(job.prompt_tokens, generated))
+                self._write(parts)
+                self.stats.count_fault("no_finish")
+                self._resolve("truncated")
+                return
             parts.append(fmt.final(token, seq.final_reason))
             if job.include_usage:
                 parts.append(fmt.usage(job.prompt_tokens, generated))
@@ -281,6 +316,28 @@ class _StreamSink:
         else:
             parts.append(self.pre + self.tokens[self.offset + generated] + self.post)
             self._write(parts)
+
+    def _keepalive(self) -> None:
+        """A comment now and then, never a token, until the client goes."""
+        if self.transport.is_closing():
+            self.client_gone = True
+            return
+        self._write([wire.KEEPALIVE])
+        self.timer = asyncio.get_running_loop().call_later(KEEPALIVE_S, self._keepalive)
+
+    def _endless(self) -> None:
+        """More of a line that never ends, as fast as the client takes it, until it goes."""
+        transport = self.transport
+        if transport.is_closing():
+            self.client_gone = True
+            return
+        if transport.get_write_buffer_size() < ENDLESS_BUFFER:
+            self._write([wire.ENDLESS_PIECE])
+        self.timer = asyncio.get_running_loop().call_later(0.001, self._endless)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
     def _resolve(self, outcome: str) -> None:
         if not self.done.done():
@@ -298,6 +355,7 @@ class _PlainSink:
         "fault_at",
         "malformed",
         "pending",
+        "short",
         "stalled",
         "stats",
         "transport",
@@ -318,6 +376,7 @@ class _PlainSink:
         self.pending = fault_schedule(faults)
         self.fault_at = self.pending[0][0] if self.pending else -1
         self.malformed = False
+        self.short: str | None = None  # a clean-end knob that fired: the body is cut or garbage
         self.client_gone = False
         self.dropped = False
         self.stalled = False
@@ -343,13 +402,21 @@ class _PlainSink:
             if knob == "malformed_after":
                 self.malformed = True
                 continue
+            if knob in _STREAM_ONLY:
+                continue
+            if knob in _CLEAN_END:
+                self.short = knob
+                continue
             self.engine.abort(seq)
             if knob == "error_after":
                 if not self.done.done():
                     self.done.set_result("error")
-            elif knob == "drop_after":
+            elif knob in ("drop_after", "close_after"):
                 self.dropped = True
-                self.transport.abort()
+                if knob == "drop_after":
+                    self.transport.abort()
+                else:
+                    self.transport.close()
             else:
                 self.stalled = True
             return False
@@ -729,6 +796,8 @@ class Podsim:
         except asyncio.CancelledError:
             self._abandoned(seq, sink, job.request_id, peer)
             raise
+        finally:
+            sink.cancel()
         return response
 
     async def _respond(
@@ -769,6 +838,13 @@ class Podsim:
         body = build(
             job.request_id, job.created, job.model, text, job.final_reason, job.prompt_tokens, generated
         )
+        if sink.short == "end_after":
+            body = body[: len(body) // 2]  # a correct Content-Length for half an answer
+        elif sink.short == "garbage_after":
+            body = wire.GARBAGE
+        elif sink.short is not None:  # bad_utf8_after: invalid UTF-8 inside the answer's text
+            field = b'"content":"' if job.chat else b'"text":"'
+            body = body.replace(field, field + wire.BAD_UTF8, 1)
         return web.Response(body=body, content_type=wire.JSON_CONTENT_TYPE)
 
 

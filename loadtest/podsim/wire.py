@@ -17,6 +17,13 @@ from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 MALFORMED = b'data: {"id":\n\n'
+# Fault shapes of a stream cut short or gone wrong (see faults.py)
+GARBAGE = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n\n"
+BAD_UTF8 = b"caf\xc3 \xff\xfe na\xefve"  # a lone lead byte, bytes UTF-8 never uses, a Latin-1 byte
+HUGE_TOKEN = b"x" * (4 * 1024 * 1024)
+ENDLESS_HEAD = b'data: {"id":"'
+ENDLESS_PIECE = b"A" * (64 * 1024)
+KEEPALIVE = b": keep-alive\n\n"
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 JSON_CONTENT_TYPE = "application/json"
 
