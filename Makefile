@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 GRPCWEB_CLIENT := tests/grpcweb_client
 GRPCWEB_STAMP  := $(GRPCWEB_CLIENT)/node_modules/.installed-stamp
 
-.PHONY: setup run test lint bench soak clean
+.PHONY: setup run test lint fuzz bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ $(GRPCWEB_STAMP): $(GRPCWEB_CLIENT)/package.json $(GRPCWEB_CLIENT)/package-lock.
 
 test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets
 	$(BIN)/python -m pytest -q
+
+fuzz: setup  ## the property tests of every parser a remote party feeds, with many more examples
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_fuzz_*.py -p no:cacheprovider
 
 bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it can
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'

@@ -89,6 +89,8 @@ def parse_request(route: str, body: bytes) -> InferenceRequest:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
+    except RecursionError:  # Python's decoder gives up past ~1000 levels; a client chose that depth
+        raise bad_request("Request body is JSON nested too deeply.", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
     model = payload.get("model")
