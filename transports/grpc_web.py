@@ -264,8 +264,10 @@ _SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
 
 
 def percent_encode(message: str) -> bytes:
-    """UTF-8, then every byte outside printable ASCII (and ``%``) as ``%XX``, as gRPC specifies."""
-    raw = message.encode("utf-8")
+    """UTF-8, then every byte outside printable ASCII (and ``%``) as ``%XX``, as gRPC specifies.
+
+    A lone surrogate (JSON's ``"\\ud800"`` in a pod's error message decodes to one) becomes ``?``."""
+    raw = message.encode("utf-8", "replace")
     if all(b in _SAFE for b in raw):
         return raw
     return b"".join(bytes((b,)) if b in _SAFE else b"%%%02X" % b for b in raw)
