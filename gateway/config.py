@@ -85,6 +85,10 @@ class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_messages: int = Field(default=2048, ge=1, description="chat messages in one request")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="completion tokens a request may ask for; None: the pod decides"
+    )
     access_log: bool = True
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: how long streams may finish")
     h2c: bool = Field(default=True, description="HTTP/2 with prior knowledge on the cleartext port")
@@ -207,6 +211,8 @@ class TierConfig(_Frozen):
     timeouts: StageOverrides = StageOverrides()
     criticality: Criticality = "standard"
     degrade: DegradeConfig | None = None
+    max_tokens: int | None = Field(default=None, ge=1, description="default: server.max_tokens")
+    max_messages: int | None = Field(default=None, ge=1, description="default: server.max_messages")
 
 
 class AffinityConfig(_Frozen):
@@ -232,6 +238,11 @@ class ProbeConfig(_Frozen):
     timeout_s: float = Field(default=1.0, gt=0)
     unhealthy_after: int = Field(default=3, ge=1, description="consecutive failures")
     healthy_after: int = Field(default=2, ge=1, description="consecutive successes to come back")
+    passive_window_s: float = Field(
+        default=10.0, ge=0,
+        description="a probe that times out is not held against a pod that returned a first token or a "
+        "2xx answer to live traffic this recently (an overloaded pod is slow, not broken); 0: never excused",
+    )
 
 
 class ScrapeConfig(_Frozen):
@@ -252,11 +263,6 @@ class PressureConfig(_Frozen):
     sheddable_kv: float = Field(default=0.80, gt=0, le=1, description="sheddable traffic stops here")
     sheddable_waiting: float = Field(default=8, gt=0)
 
-    passive_window_s: float = Field(
-        default=10.0, ge=0,
-        description="a probe that times out is not held against a pod that returned a first token or a "
-        "2xx answer to live traffic this recently (an overloaded pod is slow, not broken); 0: never excused",
-    )
     @model_validator(mode="after")
     def _low_under_high(self) -> PressureConfig:
         if self.kv_low > self.kv_high or self.waiting_low > self.waiting_high:
@@ -287,6 +293,11 @@ class DeviceHealthConfig(_Frozen):
 
 
 class HealthConfig(_Frozen):
+    panic_threshold_percent: float = Field(
+        default=50.0, ge=0, le=100,
+        description="Envoy's healthy panic threshold: when probes alone would leave fewer than this share "
+        "of a model's live pods routable, route across all of them (device faults still exclude); 0: off",
+    )
     probe: ProbeConfig = ProbeConfig()
     scrape: ScrapeConfig = ScrapeConfig()
     pressure: PressureConfig = PressureConfig()
@@ -307,11 +318,6 @@ class RetryConfig(_Frozen):
 
     max_attempts: int = Field(default=3, ge=1, description="attempts per request, the first included")
     budget_ratio: float = Field(default=0.2, ge=0, le=1, description="retries / requests, over 10 s")
-    panic_threshold_percent: float = Field(
-        default=50.0, ge=0, le=100,
-        description="Envoy's healthy panic threshold: when probes alone would leave fewer than this share "
-        "of a model's live pods routable, route across all of them (device faults still exclude); 0: off",
-    )
     min_retries_per_s: float = Field(default=3.0, ge=0, description="the budget's floor")
     backoff_base_s: float = Field(default=0.025, ge=0)
     backoff_max_s: float = Field(default=0.25, ge=0)

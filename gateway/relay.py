@@ -36,6 +36,8 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import Pod, PodRegistry
+from gateway.request_limits import enforce as enforce_limits
+from gateway.request_limits import limits_by_tier
 from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
 from gateway.retries import Retryable, RetryBudget, backoff_s
 from transports import sse
@@ -274,6 +276,7 @@ class Relay:
         self._idle = asyncio.Event()
         self._idle.set()
         self._criticality_header = config.shedding.criticality_header.encode()
+        self._limits = limits_by_tier(config)
         self._default_criticality = config.shedding.default_criticality
 
     def _gauge(self, pod: Pod) -> Any:
@@ -329,6 +332,7 @@ class Relay:
                 )
             req = await self._admit(ex, receive, headers, route)
             ex.tier = self.timeouts.tier_of(headers)
+            ex.req = req = enforce_limits(req, self._limits[ex.tier])
             ex.criticality = self._criticality(ex.tier, headers)
             affinity = self.config.affinity
             if affinity is not None and (not affinity.models or req.model in affinity.models):

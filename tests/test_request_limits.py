@@ -1,0 +1,75 @@
+"""What one request may ask of the GPUs: message count and completion tokens, per tier.
+
+A real gateway before a real pod simulator; the pod's own record of each request's ``max_tokens``
+shows what reached it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from loadtest.podsim.launch import PodsimProcess
+from loadtest.procs import GatewayProcess
+from tests.conftest import FAST
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[GatewayProcess]:
+    with PodsimProcess(["--model", "llama-8b", *FAST]) as pod:
+        config = {
+            "server": {"host": "127.0.0.1", "max_messages": 8},
+            "tiers": {
+                "free": {"api_keys": ["sk-free"], "max_tokens": 12, "max_messages": 4},
+                "pro": {"api_keys": ["sk-pro"]},
+            },
+            "pods": [{"name": "pod-a", "url": pod.url, "models": ["llama-8b"]}],
+        }
+        with GatewayProcess(config) as gw:
+            yield gw
+
+
+def chat(messages: int = 1, **extra: object) -> dict:
+    return {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}] * messages, **extra}
+
+
+def post(gw: GatewayProcess, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_too_many_messages_is_a_400_naming_the_param(gateway: GatewayProcess) -> None:
+    assert post(gateway, chat(8, max_tokens=2)).status_code == 200
+    resp = post(gateway, chat(9, max_tokens=2))
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "too_many_messages"
+    assert "at most 8" in error["message"]
+    # a tier's own, lower limit
+    assert post(gateway, chat(5, max_tokens=2), "sk-free").json()["error"]["code"] == "too_many_messages"
+    assert post(gateway, chat(8, max_tokens=2), "sk-pro").status_code == 200
+
+
+def test_a_tier_may_not_ask_for_more_tokens_than_its_cap(gateway: GatewayProcess) -> None:
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-free", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**chat(max_tokens=13))
+    assert raised.value.body["param"] == "max_tokens"
+    assert raised.value.body["code"] == "max_tokens_too_large"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**chat(max_completion_tokens=100))
+    assert client.chat.completions.create(**chat(max_tokens=12)).usage.completion_tokens == 12
+
+
+def test_a_request_that_names_no_limit_gets_its_tiers_cap(gateway: GatewayProcess) -> None:
+    # the pod simulator would otherwise answer with its default (16 tokens); ignore_eos makes it
+    # generate exactly what it was allowed
+    resp = post(gateway, chat(ignore_eos=True), "sk-free")
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 12
+    usage = {"include_usage": True}
+    stream = post(gateway, chat(ignore_eos=True, stream=True, stream_options=usage), "sk-free")
+    assert stream.status_code == 200 and '"completion_tokens":12' in stream.text.replace(" ", "")
+    assert post(gateway, chat(ignore_eos=True), "sk-pro").json()["usage"]["completion_tokens"] == 16
