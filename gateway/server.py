@@ -31,7 +31,8 @@ from uvicorn.config import STARTUP_FAILURE
 from gateway.app import Gateway
 from gateway.config import Config, ConfigError
 from gateway.rlimits import raise_open_file_limit
-from transports.h1_disconnect import PromptH1Protocol
+from transports.h1_limits import GuardedH1Protocol, H1Limits
+from transports.h2_guard import H2Limits
 from transports.h2_server import CleartextDispatch, H2Settings, TlsDispatch
 from transports.tls import TlsFilesError, server_context
 
@@ -51,6 +52,7 @@ class ExtraListeners:
     quic: Any = None  # an aioquic QuicConfiguration when HTTP/3 is on
     h3_port: int | None = None  # None: the TLS listener's port number
     h2: H2Settings = field(default_factory=H2Settings)
+    h1: H1Limits = field(default_factory=H1Limits)
     alt_svc_port: int | None = None  # the HTTP/3 port as clients see it; None: the bound one
     alt_svc_max_age_s: int = 86400
 
@@ -125,7 +127,7 @@ class Server(uvicorn.Server):
         state = self.lifespan.state
 
         def tls_protocol() -> TlsDispatch:
-            return TlsDispatch(config, self.server_state, state, loop, extra.h2)
+            return TlsDispatch(config, self.server_state, state, loop, extra.h2, extra.h1)
 
         server = await loop.create_server(
             tls_protocol, host=config.host, port=extra.tls_port, ssl=extra.tls, backlog=config.backlog
@@ -172,10 +174,26 @@ def _netloc(host: str, port: int) -> str:
 def extra_listeners(config: Config) -> ExtraListeners:
     """The TLS and QUIC listeners ``config`` asks for, their certificate loaded (``ConfigError``
     naming the file when it cannot be)."""
-    h2 = H2Settings(max_concurrent_streams=config.server.max_concurrent_streams)
+    lim = config.server.limits
+    h1 = H1Limits(
+        head_timeout_s=lim.head_timeout_s, body_idle_timeout_s=lim.body_idle_timeout_s,
+        body_timeout_s=lim.body_timeout_s, max_request_line_bytes=lim.max_request_line_bytes,
+        max_headers=lim.max_headers, max_header_bytes=lim.max_header_bytes,
+    )
+    h2 = H2Settings(
+        max_concurrent_streams=config.server.max_concurrent_streams,
+        max_header_list_size=lim.max_header_bytes,
+        limits=H2Limits(
+            head_timeout_s=lim.head_timeout_s, max_headers=lim.max_headers,
+            premature_reset_s=lim.h2_premature_reset_s, max_premature_resets=lim.h2_max_premature_resets,
+            control_frames_per_s=lim.h2_control_frames_per_s, control_frame_burst=lim.h2_control_frame_burst,
+            max_outbound_control_frames=lim.h2_max_outbound_control_frames,
+            max_empty_frames=lim.h2_max_empty_frames, send_stall_s=lim.h2_send_stall_s,
+        ),
+    )
     tls = config.server.tls
     if tls is None:
-        return ExtraListeners(h2=h2)
+        return ExtraListeners(h2=h2, h1=h1)
     try:
         context = server_context(tls.cert, tls.key)
         quic = None
@@ -188,7 +206,7 @@ def extra_listeners(config: Config) -> ExtraListeners:
     except (ValueError, TypeError, OSError) as exc:  # aioquic's own loading of the PEM files
         raise ConfigError(f"server.tls: cannot load {tls.cert!r} / {tls.key!r} for HTTP/3: {exc}") from None
     return ExtraListeners(
-        tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2,
+        tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2, h1=h1,
         alt_svc_port=tls.alt_svc_port, alt_svc_max_age_s=tls.alt_svc_max_age_s,
     )
 
@@ -199,9 +217,9 @@ def build_server(config: Config, log_level: str = "info") -> Server:
     Raises ``ConfigError`` when the TLS certificate or key cannot be used."""
     extra = extra_listeners(config)
     app = Gateway(config)
-    http: Any = PromptH1Protocol
+    http: Any = functools.partial(GuardedH1Protocol, limits=extra.h1)
     if config.server.h2c:
-        http = functools.partial(CleartextDispatch, h2_settings=extra.h2)
+        http = functools.partial(CleartextDispatch, h2_settings=extra.h2, h1_limits=extra.h1)
     uv_config = uvicorn.Config(
         app,
         host=config.server.host,
@@ -212,7 +230,7 @@ def build_server(config: Config, log_level: str = "info") -> Server:
         access_log=False,
         log_config=None,
         log_level=log_level,
-        timeout_keep_alive=30,
+        timeout_keep_alive=config.server.limits.keep_alive_timeout_s,
         backlog=4096,
         server_header=False,
         timeout_graceful_shutdown=5,

@@ -700,7 +700,8 @@ def test_listener_config_keys(tmp_path: Path) -> None:
     extra = extra_listeners(config)
     assert extra.tls is not None and extra.quic is None and extra.tls_port == 8443 and extra.h3_port is None
     assert extra.h2.max_concurrent_streams == 7
-    assert build_server(config).config.http is PromptH1Protocol  # h2c off: uvicorn's protocol as before
+    http = build_server(config).config.http  # h2c off: uvicorn's protocol, with the client limits
+    assert issubclass(http.func, PromptH1Protocol) and http.keywords["limits"] == extra.h1
     with pytest.raises(ConfigError, match="tls"):
         parse_config({"server": {"tls": {"cert": str(cert)}}})
     # Alt-Svc names the port clients reach (a load balancer may map 443 to the bound one)

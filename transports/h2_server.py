@@ -7,7 +7,7 @@ stream through ``transports.asgi_stream.AsgiStream``. Each listener still starts
 
 - cleartext port: ``CleartextDispatch`` reads the first bytes. The HTTP/2 connection preface
   (``PRI * HTTP/2.0``, "prior knowledge" h2c) → ``H2Protocol``; anything else → uvicorn's HTTP/1.1
-  protocol (``PromptH1Protocol``), fed the bytes already read. Only the first read pays for this.
+  protocol (``GuardedH1Protocol``), fed the bytes already read. Only the first read pays for this.
 - TLS port: ``TlsDispatch`` looks at the ALPN the handshake chose: ``h2`` → ``H2Protocol``, else
   HTTP/1.1.
 
@@ -28,6 +28,14 @@ Design points (see docs/transports.md):
   ~0.1 ms) to the time to first token.
 - **Graceful shutdown**: ``shutdown()`` (called by uvicorn's server for every connection) refuses
   new streams (REFUSED_STREAM), lets the open ones finish, then sends GOAWAY and closes.
+- **Abusive clients** (``H2Limits``, docs/hardening.md): floods are counted by
+  ``transports.h2_guard.FloodGuard`` and end in GOAWAY ENHANCE_YOUR_CALM; streams past
+  MAX_CONCURRENT_STREAMS get REFUSED_STREAM; HPACK blocks decoding past SETTINGS_MAX_HEADER_LIST_SIZE
+  end the connection (h2's DenialOfServiceError), more than ``max_headers`` fields get 431; a
+  connection without a complete request HEADERS in ``head_timeout_s`` is closed; a response chunk
+  that waits ``send_stall_s`` for the client's flow-control window resets its stream (CANCEL, and
+  the app sees the client gone), and a transport that stays above its high-water mark that long
+  (the client stopped reading) is aborted.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import asyncio
 import contextlib
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import h2.config
@@ -49,7 +57,8 @@ from h2.errors import ErrorCodes
 from h2.stream import StreamState
 
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
-from transports.h1_disconnect import PromptH1Protocol
+from transports.h1_limits import GuardedH1Protocol, H1Limits, error_json
+from transports.h2_guard import FloodGuard, H2Limits
 
 logger = logging.getLogger("sluicegate.transports")
 
@@ -68,7 +77,19 @@ class H2Settings:
     max_concurrent_streams: int = 128
     initial_window_size: int = 256 * 1024  # per stream, for request bodies
     connection_window_size: int = 1024 * 1024  # all streams' request bodies together
-    max_header_list_size: int = 64 * 1024
+    max_header_list_size: int = 64 * 1024  # HPACK-decoded, 32 bytes counted per field (RFC 9113 6.5.2)
+    limits: H2Limits = field(default_factory=H2Limits)
+
+
+def _local_settings(s: H2Settings, max_streams: int) -> h2.settings.Settings:
+    return h2.settings.Settings(
+        client=False,
+        initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.initial_window_size,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
+        },
+    )
 
 
 class H2Protocol(asyncio.Protocol):
@@ -102,12 +123,17 @@ class H2Protocol(asyncio.Protocol):
         self.closing = False  # shutting down: no new streams, GOAWAY and close after the last one
         self.idle_timeout_s: float = config.timeout_keep_alive
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._blocked: dict[int, tuple[AsgiStream, memoryview, bool]] = {}  # waiting for window
+        # waiting for window: the chunk's rest, END_STREAM, and since when (loop time)
+        self._blocked: dict[int, tuple[AsgiStream, memoryview, bool, float]] = {}
         self._write_waiters: list[AsgiStream] = []  # waiting for the transport to drain
         self._flush_handle: asyncio.Handle | None = None
         self._unflushed = 0  # body bytes framed since the last write
         self._fresh: set[int] = set()  # streams whose response HEADERS are framed and not yet written
         self._max_frame = self.h2.max_outbound_frame_size
+        self.guard = FloodGuard(self.settings.limits, self.loop.time)
+        self._priority_of_request: Any = None  # the PriorityUpdated h2 emits for a HEADERS' own flag
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._write_stall_timer: asyncio.TimerHandle | None = None
         self._handlers = {
             h2.events.RequestReceived: self._on_request,
             h2.events.DataReceived: self._on_data,
@@ -116,6 +142,9 @@ class H2Protocol(asyncio.Protocol):
             h2.events.WindowUpdated: self._on_window_updated,
             h2.events.RemoteSettingsChanged: self._on_settings_changed,
             h2.events.ConnectionTerminated: self._on_goaway,
+            h2.events.PingReceived: self._on_ping,
+            h2.events.PriorityUpdated: self._on_priority,
+            h2.events.UnknownFrameReceived: self._on_unknown_frame,
         }
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -127,26 +156,31 @@ class H2Protocol(asyncio.Protocol):
         self.server = peer_address(transport.get_extra_info("sockname"))
         self.client = peer_address(transport.get_extra_info("peername"))
         s = self.settings
-        self.h2.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.initial_window_size,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
-            },
-        )
+        self.h2.local_settings = _local_settings(s, s.max_concurrent_streams)
         self.h2.initiate_connection()
+        # What the client was told stays; h2 itself enforces a higher stream cap, so that streams
+        # just past the announced one get REFUSED_STREAM (``_on_request``) rather than h2's GOAWAY
+        # PROTOCOL_ERROR; a client that keeps going past twice the cap still gets that.
+        self.h2.local_settings = _local_settings(s, 2 * s.max_concurrent_streams)
+        self.h2.decoder.max_header_list_size = s.max_header_list_size  # h2 applies it only on ACK
         if s.connection_window_size > _DEFAULT_WINDOW:
             self.h2.increment_flow_control_window(s.connection_window_size - _DEFAULT_WINDOW)
         self._flush()
-        self._arm_idle_timer()
+        self._arm_idle_timer(s.limits.head_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.get_write_buffer_size():
+            self.guard.drained()
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
-            # h2 has queued a GOAWAY with the right error code: send it and hang up.
-            logger.debug("HTTP/2 protocol error from %s: %s", self.client, exc)
+            # h2 has queued a GOAWAY with the right error code (ENHANCE_YOUR_CALM for an HPACK
+            # bomb, PROTOCOL_ERROR for a CONTINUATION flood past h2's 64 frames): send it, hang up.
+            logger.info("HTTP/2 protocol error from %s: %s", self.client, exc)
+            self._lose_all()
             self._flush()
             self._close()
             return
@@ -155,6 +189,8 @@ class H2Protocol(asyncio.Protocol):
             handler = handlers.get(type(event))
             if handler is not None:
                 handler(event)
+                if transport.is_closing():
+                    return  # cut off (``_calm``): the rest of what it sent is not worth reading
         self._flush()
 
     def eof_received(self) -> bool | None:
@@ -169,13 +205,23 @@ class H2Protocol(asyncio.Protocol):
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
+        for timer in (self._stall_timer, self._write_stall_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._write_stall_timer = None
         self._lose_all()
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self._write_stall_timer is None:
+            stall_s = self.settings.limits.send_stall_s
+            self._write_stall_timer = self.loop.call_later(stall_s, self._write_stalled)
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._write_stall_timer is not None:
+            self._write_stall_timer.cancel()
+            self._write_stall_timer = None
         waiters, self._write_waiters = self._write_waiters, []
         for stream in waiters:
             stream.writable()
@@ -199,8 +245,18 @@ class H2Protocol(asyncio.Protocol):
 
     def _on_request(self, event: h2.events.RequestReceived) -> None:
         sid = event.stream_id
+        self._priority_of_request = event.priority_updated
+        self.guard.empty_run = 0
         if self.closing:
             self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            return
+        if len(self.streams) >= self.settings.max_concurrent_streams:
+            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)  # RFC 9113 5.1.2: may be retried
+            if self.guard.refused():
+                self._calm()
+            return
+        if len(event.headers) > self.settings.limits.max_headers + 4:  # + the 4 pseudo-headers
+            self._refuse(sid, 431, "too many request headers")
             return
         scope = request_scope(
             http_version="2",
@@ -213,19 +269,27 @@ class H2Protocol(asyncio.Protocol):
         )
         if scope is None:
             self.h2.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            if self.guard.refused():
+                self._calm()
             return
         stream = AsgiStream(self, sid, scope)
         self.streams[sid] = stream
+        self.guard.opened(sid)
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        task = self.loop.create_task(stream.run(self.app))
+        task = self.loop.create_task(self._serve(stream))
         stream.task = task
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
     def _on_data(self, event: h2.events.DataReceived) -> None:
+        if event.data:
+            self.guard.empty_run = 0
+        elif event.stream_ended is None and self.guard.empty_frame():
+            self._calm()
+            return
         stream = self.streams.get(event.stream_id)
         if stream is not None:
             stream.feed_body(event.data, event.flow_controlled_length)
@@ -242,6 +306,8 @@ class H2Protocol(asyncio.Protocol):
         stream = self.streams.get(event.stream_id)
         if stream is not None:
             stream.lost()
+            if event.remote_reset and not stream.ended and self.guard.reset_by_client(event.stream_id):
+                self._calm()
 
     def _on_window_updated(self, event: h2.events.WindowUpdated) -> None:
         if not self._blocked:
@@ -253,9 +319,24 @@ class H2Protocol(asyncio.Protocol):
             self._unblock(event.stream_id)
 
     def _on_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> None:
+        if self.guard.control_frame(replies=1):  # h2 queued a SETTINGS ACK
+            self._calm()
+            return
         self._max_frame = self.h2.max_outbound_frame_size
         for sid in list(self._blocked):  # a larger initial window may open blocked streams
             self._unblock(sid)
+
+    def _on_ping(self, event: h2.events.PingReceived) -> None:
+        if self.guard.control_frame(replies=1):  # h2 queued the PING ACK
+            self._calm()
+
+    def _on_priority(self, event: h2.events.PriorityUpdated) -> None:
+        if event is not self._priority_of_request and self.guard.control_frame():
+            self._calm()
+
+    def _on_unknown_frame(self, event: h2.events.UnknownFrameReceived) -> None:
+        if self.guard.control_frame():
+            self._calm()
 
     def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
         # h2 sends nothing after a peer's GOAWAY, so every stream is over for the client.
@@ -307,8 +388,10 @@ class H2Protocol(asyncio.Protocol):
                 if size <= self._max_frame and size <= conn.local_flow_control_window(sid):
                     conn.send_data(sid, data, end_stream=end_stream)
                 else:
-                    self._blocked[sid] = (stream, memoryview(data), end_stream)
+                    self._blocked[sid] = (stream, memoryview(data), end_stream, self.loop.time())
                     self._push(sid)
+                    if sid in self._blocked and self._stall_timer is None:
+                        self._arm_stall_timer()
             except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
                 self._blocked.pop(sid, None)
                 stream.lost()
@@ -345,6 +428,7 @@ class H2Protocol(asyncio.Protocol):
     def stream_done(self, stream: AsgiStream) -> None:
         sid = stream.stream_id
         self.streams.pop(sid, None)
+        self.guard.closed(sid)
         self._blocked.pop(sid, None)
         if stream.unconsumed:
             self.consumed(stream, stream.unconsumed)
@@ -364,13 +448,13 @@ class H2Protocol(asyncio.Protocol):
 
     def _push(self, sid: int) -> None:
         """Send as much of a blocked stream's chunk as the window allows (in frame-sized pieces)."""
-        stream, view, end = self._blocked[sid]
+        stream, view, end, since = self._blocked[sid]
         conn = self.h2
         while True:
             size = min(len(view), conn.local_flow_control_window(sid), self._max_frame)
             last = size == len(view)
             if size <= 0 and not last:
-                self._blocked[sid] = (stream, view, end)
+                self._blocked[sid] = (stream, view, end, since)
                 return
             conn.send_data(sid, view[:size].tobytes(), end_stream=end and last)
             if last:
@@ -412,15 +496,79 @@ class H2Protocol(asyncio.Protocol):
         if data and transport is not None and not transport.is_closing():
             transport.write(data)
 
-    def _arm_idle_timer(self) -> None:
-        """Close a connection without streams after uvicorn's keep-alive timeout, as HTTP/1.1 does."""
-        if self.idle_timeout_s > 0 and self._idle_timer is None:
-            self._idle_timer = self.loop.call_later(self.idle_timeout_s, self._idle)
+    def _arm_idle_timer(self, timeout_s: float | None = None) -> None:
+        """Close a connection without streams after uvicorn's keep-alive timeout, as HTTP/1.1 does
+        (``timeout_s``: the head timeout instead, for a new connection's first request)."""
+        timeout_s = self.idle_timeout_s if timeout_s is None else timeout_s
+        if timeout_s > 0 and self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(timeout_s, self._idle)
 
     def _idle(self) -> None:
         self._idle_timer = None
         if not self.streams:
             self._close_gracefully()
+
+    async def _serve(self, stream: AsgiStream) -> None:
+        """The app for one stream, unless the client reset it before the task's first step (Rapid
+        Reset: HEADERS and RST_STREAM in one read): then the pod never hears of it."""
+        if stream.gone:
+            self.stream_done(stream)
+            return
+        await stream.run(self.app)
+
+    def _refuse(self, sid: int, status: int, message: str) -> None:
+        """Answer a request the gateway will not serve with an OpenAI error, on its stream."""
+        body = error_json(message, "request_header_fields_too_large")
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.h2.send_headers(sid, [(b":status", b"%d" % status), (b"content-type", b"application/json"),
+                                       (b"content-length", b"%d" % len(body))])
+            self.h2.send_data(sid, body, end_stream=True)
+            if not self.h2.streams[sid].closed:
+                self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)  # the rest of the request is not wanted
+        if self.guard.refused():
+            self._calm()
+
+    def _calm(self) -> None:
+        """Cut off an abusive connection: GOAWAY ENHANCE_YOUR_CALM, its streams lost, the transport
+        closed (aborted if the client is not reading what is already queued)."""
+        logger.warning("HTTP/2 client %s cut off: %s", self.client, self.guard.reason)
+        self._lose_all()
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+        self._flush()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
+
+    def _arm_stall_timer(self) -> None:
+        earliest = min(entry[3] for entry in self._blocked.values())
+        self._stall_timer = self.loop.call_at(earliest + self.settings.limits.send_stall_s, self._stall_check)
+
+    def _stall_check(self) -> None:
+        """Reset the streams whose chunk has waited ``send_stall_s`` for the client's window."""
+        self._stall_timer = None
+        cutoff = self.loop.time() - self.settings.limits.send_stall_s
+        for sid, (stream, _, _, since) in list(self._blocked.items()):
+            if since <= cutoff:
+                del self._blocked[sid]
+                logger.info("HTTP/2 client %s: stream %d stalled on flow control, reset", self.client, sid)
+                with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                    self.h2.reset_stream(sid, ErrorCodes.CANCEL)
+                stream.lost()  # the relay closes the pod request: the generation is aborted
+        if self._blocked:
+            self._arm_stall_timer()
+        self._flush_soon()
+
+    def _write_stalled(self) -> None:
+        """The transport stayed above its high-water mark ``send_stall_s``: the client stopped reading."""
+        self._write_stall_timer = None
+        logger.info("HTTP/2 client %s stopped reading; connection aborted", self.client)
+        self._lose_all()
+        if self.transport is not None:
+            self.transport.abort()
 
     def _lose_all(self) -> None:
         self._blocked.clear()
@@ -450,32 +598,43 @@ class _Dispatch(asyncio.Protocol):
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
         h2_settings: H2Settings | None = None,
+        h1_limits: H1Limits | None = None,
     ) -> None:
         self.config = config
         self.server_state = server_state
         self.app_state = app_state
         self.loop = _loop
         self.h2_settings = h2_settings
+        self.h1_limits = h1_limits or H1Limits()
 
     def protocol_for(self, h2: bool) -> asyncio.Protocol:
         if h2:
             return H2Protocol(self.config, self.server_state, self.app_state, self.loop, self.h2_settings)
-        return PromptH1Protocol(
-            config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop
+        return GuardedH1Protocol(
+            config=self.config, server_state=self.server_state, app_state=self.app_state, _loop=self.loop,
+            limits=self.h1_limits,
         )
 
 
 class CleartextDispatch(_Dispatch):
-    """The cleartext port: HTTP/2 with prior knowledge (h2c) or HTTP/1.1, by the first bytes."""
+    """The cleartext port: HTTP/2 with prior knowledge (h2c) or HTTP/1.1, by the first bytes.
+
+    A connection that sends nothing is closed at the request head timeout; HTTP/1.1 counts its own
+    head timeout from the connection's start, not from the handover."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.transport: asyncio.Transport | None = None
         self._head = b""
+        self._started = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
         self.server_state.connections.add(self)
+        loop = self.loop = self.loop or asyncio.get_event_loop()
+        self._started = loop.time()
+        self._timer = loop.call_later(self.h1_limits.head_timeout_s, transport.close)
 
     def data_received(self, data: bytes) -> None:
         head = self._head + data if self._head else data
@@ -483,13 +642,23 @@ class CleartextDispatch(_Dispatch):
             self._head = head  # could still be the preface: wait for the rest
             return
         self._head = b""
-        hand_over(self, self.protocol_for(head.startswith(PREFACE)), head)
+        self._cancel_timer()
+        protocol = self.protocol_for(head.startswith(PREFACE))
+        if isinstance(protocol, GuardedH1Protocol):
+            protocol.head_started = self._started
+        hand_over(self, protocol, head)
 
     def eof_received(self) -> bool | None:
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
         self.server_state.connections.discard(self)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def shutdown(self) -> None:
         if self.transport is not None:
