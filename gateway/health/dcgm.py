@@ -85,9 +85,9 @@ def iter_samples(
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if not sample.name.endswith("_created"):
-                    yield family.name, sample.name, sample.labels, sample.value
-    except (ValueError, IndexError, KeyError, TypeError) as exc:
+                if not sample.name.endswith("_created"):  # the parser gives ints for integer text
+                    yield family.name, sample.name, sample.labels, float(sample.value)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
         detail = str(exc) or type(exc).__name__
         raise ValueError(f"malformed {what} metrics text: {detail[:200]}") from None
 
@@ -113,6 +113,8 @@ def _xid_problem(value: float, labels: dict[str, str]) -> tuple[str | None, str 
     """(problem, note) for a last-XID value."""
     if not value or math.isnan(value):
         return None, None
+    if math.isinf(value):
+        raise ValueError(f"malformed dcgm-exporter metrics text: {XID} is {value}")
     code = int(value)
     meaning = labels.get("err_msg", "")
     if not meaning or meaning == "Unknown Error":  # the exporter's text for codes newer than its table

@@ -50,7 +50,7 @@ def parse_agent_devices(payload: dict[str, Any] | bytes) -> list[DeviceVerdict]:
     if isinstance(payload, bytes | bytearray):
         try:
             payload = json.loads(payload)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # also: too many digits, nested too deep
             raise ValueError(f"mig-agent devices: not JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise ValueError(f"mig-agent devices: expected a JSON object, got {type(payload).__name__}")

@@ -118,6 +118,8 @@ def parse_vllm_metrics(text: str | bytes, model: str | None = None) -> PodLoad:
 
     def count(names: tuple[str, ...], suffix: str = "") -> int | None:
         found = total(names, suffix)
+        if found is not None and not math.isfinite(found):  # round() would raise Overflow/ValueError
+            raise ValueError(f"malformed vLLM metrics text: {names[0]}{suffix} is {found}, not a count")
         return None if found is None else round(found)
 
     kv = pick(KV_CACHE_USAGE)
