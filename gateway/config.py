@@ -59,6 +59,10 @@ class PodConfig(_Frozen):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000")
+        try:
+            _ = parts.port  # urlsplit checks the port only when asked; the pod registry asks at start-up
+        except ValueError as exc:
+            raise ValueError(f"has a bad port: {exc}") from None
         if parts.path not in ("", "/") or parts.query:
             raise ValueError("must be the pod's base URL without a path (the gateway adds /v1/...)")
         return value.rstrip("/")
@@ -529,8 +533,14 @@ def load_config(path: str | Path) -> Config:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}.") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text: byte {exc.start} cannot be decoded.") from None
     try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{path} nests lists or mappings too deeply.") from None
+    except (ValueError, TypeError, AttributeError, LookupError) as exc:  # PyYAML's constructors (2001-02-30)
+        raise ConfigError(f"{path} has a value YAML cannot read: {exc}.") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
