@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ class Target:
 
     def rss_mb(self) -> float:
         return vm_rss_mb(self.gateway.pid)
+
+    def cpu_s(self) -> float:
+        """The gateway's CPU time so far (user + system)."""
+        fields = Path(f"/proc/{self.gateway.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def vm_rss_mb(pid: int) -> float:

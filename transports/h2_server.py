@@ -64,6 +64,7 @@ logger = logging.getLogger("sluicegate.transports")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FLUSH_AT = 64 * 1024  # write at once, not at the end of the loop turn, past this many unwritten bytes
+LINGER_S = 1.0  # after a GOAWAY for an error: how long what the client still sends is read and dropped
 _DEFAULT_WINDOW = 65_535
 _DATA_FRAME_HEADER = struct.Struct(">HBBBL")  # 24-bit length (16 + 8), type 0 (DATA), flags 0, stream
 _SENDABLE = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
@@ -121,6 +122,7 @@ class H2Protocol(asyncio.Protocol):
         self.client: tuple[str, int] | None = None
         self.write_paused = False
         self.closing = False  # shutting down: no new streams, GOAWAY and close after the last one
+        self.cut_off = False  # GOAWAY sent for an error: what the client sends now is dropped
         self.idle_timeout_s: float = config.timeout_keep_alive
         self._idle_timer: asyncio.TimerHandle | None = None
         # waiting for window: the chunk's rest, END_STREAM, and since when (loop time)
@@ -170,7 +172,7 @@ class H2Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self.cut_off:
             return
         if not transport.get_write_buffer_size():
             self.guard.drained()
@@ -180,17 +182,15 @@ class H2Protocol(asyncio.Protocol):
             # h2 has queued a GOAWAY with the right error code (ENHANCE_YOUR_CALM for an HPACK
             # bomb, PROTOCOL_ERROR for a CONTINUATION flood past h2's 64 frames): send it, hang up.
             logger.info("HTTP/2 protocol error from %s: %s", self.client, exc)
-            self._lose_all()
-            self._flush()
-            self._close()
+            self._hang_up()
             return
         handlers = self._handlers
         for event in events:
             handler = handlers.get(type(event))
             if handler is not None:
                 handler(event)
-                if transport.is_closing():
-                    return  # cut off (``_calm``): the rest of what it sent is not worth reading
+                if self.cut_off:
+                    return  # (``_calm``): the rest of what it sent is not worth reading
         self._flush()
 
     def eof_received(self) -> bool | None:
@@ -248,10 +248,10 @@ class H2Protocol(asyncio.Protocol):
         self._priority_of_request = event.priority_updated
         self.guard.empty_run = 0
         if self.closing:
-            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            self._reset(sid, ErrorCodes.REFUSED_STREAM)
             return
         if len(self.streams) >= self.settings.max_concurrent_streams:
-            self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)  # RFC 9113 5.1.2: may be retried
+            self._reset(sid, ErrorCodes.REFUSED_STREAM)  # RFC 9113 5.1.2: may be retried elsewhere
             if self.guard.refused():
                 self._calm()
             return
@@ -268,7 +268,7 @@ class H2Protocol(asyncio.Protocol):
             state=self.app_state,
         )
         if scope is None:
-            self.h2.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
             if self.guard.refused():
                 self._calm()
             return
@@ -303,7 +303,8 @@ class H2Protocol(asyncio.Protocol):
 
     def _on_stream_reset(self, event: h2.events.StreamReset) -> None:
         self._blocked.pop(event.stream_id, None)
-        stream = self.streams.get(event.stream_id)
+        # no longer counted against MAX_CONCURRENT_STREAMS, even before its task ends (``stream_done``)
+        stream = self.streams.pop(event.stream_id, None)
         if stream is not None:
             stream.lost()
             if event.remote_reset and not stream.ended and self.guard.reset_by_client(event.stream_id):
@@ -516,6 +517,10 @@ class H2Protocol(asyncio.Protocol):
             return
         await stream.run(self.app)
 
+    def _reset(self, sid: int, code: ErrorCodes) -> None:
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.h2.reset_stream(sid, code)  # (already closed if the client reset it in the same read)
+
     def _refuse(self, sid: int, status: int, message: str) -> None:
         """Answer a request the gateway will not serve with an OpenAI error, on its stream."""
         body = error_json(message, "request_header_fields_too_large")
@@ -532,16 +537,27 @@ class H2Protocol(asyncio.Protocol):
         """Cut off an abusive connection: GOAWAY ENHANCE_YOUR_CALM, its streams lost, the transport
         closed (aborted if the client is not reading what is already queued)."""
         logger.warning("HTTP/2 client %s cut off: %s", self.client, self.guard.reason)
-        self._lose_all()
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        """After a GOAWAY for an error: send it, then close without losing it. Closing a socket with
+        unread input makes the kernel send RST, and the client may never see the GOAWAY; so the write
+        side is shut (FIN) and input is read and dropped for ``LINGER_S`` first, as nginx's lingering
+        close does. A client that is not reading gets no such courtesy: the connection is aborted."""
+        self.cut_off = True
+        self._lose_all()
         self._flush()
         transport = self.transport
-        if transport is not None and not transport.is_closing():
-            if transport.get_write_buffer_size():
-                transport.abort()
-            else:
-                transport.close()
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size():
+            transport.abort()
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
 
     def _arm_stall_timer(self) -> None:
         earliest = min(entry[3] for entry in self._blocked.values())

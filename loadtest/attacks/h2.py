@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,14 +48,16 @@ def request_headers(host: str, port: int, extra: list[tuple[str, str]] | None = 
 class H2Report:
     """What the server did to one attacking connection."""
 
-    sent: int = 0  # attack units (streams, frames) written before the server cut the connection off
+    # attack units (streams, frames) written before the client saw the server cut it off; much of it
+    # may still have been in socket buffers then, unread by the server
+    sent: int = 0
     goaway_code: int | None = None
     goaway_after_s: float | None = None
     closed: bool = False  # the server closed the connection (EOF or reset)
     closed_after_s: float | None = None
     resets: Counter[int] = field(default_factory=Counter)  # RST_STREAM error codes received
     statuses: Counter[int] = field(default_factory=Counter)  # :status of responses received
-    pings_acked: int = 0
+    acked: int = 0  # PING and SETTINGS ACKs received: control frames the server processed
     bytes_received: int = 0
 
 
@@ -96,15 +99,18 @@ class Conn:
 
     async def send(self, data: bytes) -> bool:
         """Write and drain; False once the server has closed the connection."""
-        if self.gone.is_set():
+        if self.gone.is_set() or self.report.goaway_code is not None:
             return False
         try:
             self.writer.write(data)
             await self.writer.drain()
+            await asyncio.sleep(0)  # let the reader see a GOAWAY or EOF
         except (ConnectionError, OSError):
             self._closed()
             return False
-        return not self.gone.is_set()
+        if self.writer.transport.is_closing():  # a failed send closes it without raising here
+            self._closed()
+        return not self.gone.is_set() and self.report.goaway_code is None
 
     def _closed(self) -> None:
         if not self.report.closed:
@@ -138,8 +144,8 @@ class Conn:
                 report.goaway_after_s = time.monotonic() - self.start
         elif isinstance(frame, RstStreamFrame):
             report.resets[frame.error_code] += 1
-        elif isinstance(frame, PingFrame) and "ACK" in frame.flags:
-            report.pings_acked += 1
+        elif isinstance(frame, PingFrame | SettingsFrame) and "ACK" in frame.flags:
+            report.acked += 1
         elif isinstance(frame, HeadersFrame):
             with contextlib.suppress(Exception):
                 for name, value in self.decoder.decode(frame.data):
@@ -167,8 +173,7 @@ class Conn:
         """Wait up to ``timeout_s`` for the server to close, then stop; the report."""
         if self._reading is None:  # a client that never read: read now, to find the GOAWAY
             self._reading = asyncio.ensure_future(self._read())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.gone.wait(), timeout_s)
+        await asyncio.wait({self._reading}, timeout=timeout_s)  # until EOF or reset
         self._reading.cancel()
         self.writer.close()
         return self.report
@@ -337,6 +342,16 @@ async def closed_window(host: str, port: int, max_tokens: int = 200, wait_s: flo
     conn.report.sent = 1
     await conn.until(lambda: conn.report.resets, wait_s)
     return await conn.drain_reads(0.1)
+
+
+async def repeated(attack: Callable[[], Awaitable[H2Report]], duration_s: float) -> list[H2Report]:
+    """Run ``attack`` on one new connection after another for ``duration_s``, as an attacker who is
+    cut off reconnects; one report per connection."""
+    reports: list[H2Report] = []
+    deadline = time.monotonic() + duration_s
+    while time.monotonic() < deadline:
+        reports.append(await attack())
+    return reports
 
 
 @dataclass
