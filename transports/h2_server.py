@@ -28,14 +28,9 @@ Design points (see docs/transports.md):
   ~0.1 ms) to the time to first token.
 - **Graceful shutdown**: ``shutdown()`` (called by uvicorn's server for every connection) refuses
   new streams (REFUSED_STREAM), lets the open ones finish, then sends GOAWAY and closes.
-- **Abusive clients** (``H2Limits``, docs/hardening.md): floods are counted by
-  ``transports.h2_guard.FloodGuard`` and end in GOAWAY ENHANCE_YOUR_CALM; streams past
-  MAX_CONCURRENT_STREAMS get REFUSED_STREAM; HPACK blocks decoding past SETTINGS_MAX_HEADER_LIST_SIZE
-  end the connection (h2's DenialOfServiceError), more than ``max_headers`` fields get 431; a
-  connection without a complete request HEADERS in ``head_timeout_s`` is closed; a response chunk
-  that waits ``send_stall_s`` for the client's flow-control window resets its stream (CANCEL, and
-  the app sees the client gone), and a transport that stays above its high-water mark that long
-  (the client stopped reading) is aborted.
+- **Abusive clients** (``H2Limits``; the table in docs/hardening.md): floods are counted by
+  ``transports.h2_guard.FloodGuard`` (GOAWAY ENHANCE_YOUR_CALM); streams past the cap get
+  REFUSED_STREAM; a chunk waiting ``send_stall_s`` for the client's window resets its stream.
 """
 
 from __future__ import annotations
