@@ -44,7 +44,7 @@ from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from gateway.relay import Receive, Relay, Scope, Send
 from transports import grpc_web as codec
 from transports.grpc_web import Status
-from transports.sse import event_data
+from transports.sse import event_data, stream_incomplete
 
 log = logging.getLogger("sluicegate.grpc_web")
 
@@ -169,17 +169,21 @@ class Call:
 
     __slots__ = (
         "_body",
+        "_choices",
         "_chunks",
         "_client_receive",
         "_client_send",
         "_cors",
         "_ended",
         "_failed",
+        "_finished",
         "_http_status",
+        "_last",
         "_limit",
         "_message",
         "_mode",
         "_passed_back",
+        "_previous",
         "_rest",
         "_status",
         "_stream",
@@ -210,6 +214,9 @@ class Call:
         self._message = ""
         self._failed = False
         self._ended = False  # the stream's ``data: [DONE]`` went by
+        self._choices = 1  # the request's n: each choice must finish (when no [DONE] comes)
+        self._finished: set[int] = set()  # choices seen with a finish_reason
+        self._previous = self._last = b""  # the relay's last two body messages, for the end's verdict
         self._http_status = 0
         self._passed_back: list[tuple[bytes, bytes]] = []
         # Bound to the server's request cycle when there is one, so the relay's disconnect watch
@@ -267,6 +274,8 @@ class Call:
             raise bad_request(
                 f"The request is not a valid ChatCompletionRequest: {exc}.", code="invalid_protobuf"
             ) from None
+        if request.HasField("n") and request.n > 1:
+            self._choices = request.n
         return {"type": "http.request", "body": openai_body(request, self._stream), "more_body": False}
 
     # -- out -------------------------------------------------------------------------------------
@@ -275,7 +284,10 @@ class Call:
         if message["type"] == "http.response.body":
             mode = self._mode
             if mode is _STREAM:
-                out = self._frames(message.get("body", b""))
+                body = message.get("body", b"")
+                if body:
+                    self._previous, self._last = self._last, body
+                out = self._frames(body)
                 more = message.get("more_body", False)
                 if not more:
                     self._judge_end()
@@ -349,6 +361,9 @@ class Call:
                     if "error" in chunk:
                         self._fail(chunk["error"])
                         break
+                    for choice in chunk.get("choices") or ():  # (template tokens never finish)
+                        if choice.get("finish_reason") is not None:
+                            self._finished.add(choice.get("index") or 0)
                     payload = encode(chunk, data)
                 except (ValueError, TypeError, AttributeError, KeyError):
                     # A malformed event carries nothing a client could use: skip it, as SSE clients do.
@@ -358,16 +373,23 @@ class Call:
         return b"".join(out)
 
     def _judge_end(self) -> None:
-        """A stream that ends without its ``[DONE]`` (or an error) was cut short: never an OK.
+        """A stream that ends without being whole was cut short: never an OK.
 
-        The relay already turns a pod's short stream into an error event; this holds the same
-        verdict for anything else that ends the relay's SSE early or inside an event.
+        The relay already turns a pod's short stream into an error event; this holds the same rule
+        (``transports.sse.stream_incomplete``) for anything else that ends the relay's SSE early.
         """
         if self._failed or (self._ended and not self._rest.strip()):
             return
+        why = (
+            "bytes after data: [DONE]"
+            if self._ended
+            else stream_incomplete(self._previous + self._last, self._choices, self._finished)
+        )
+        if why is None:
+            return
         self._failed = True
         self._status = Status.UNAVAILABLE
-        self._message = "The answer stream ended before it was complete (no data: [DONE])."
+        self._message = f"The answer stream ended before it was complete: {why}."
 
     def _fail(self, error: Any) -> None:
         """An SSE error event ended the stream: its status goes into the trailers."""

@@ -306,6 +306,7 @@ CUTS: dict[str, tuple[str, list[bytes], bool]] = {
     "usage_without_finish": ("chunked", [ROLE, HELLO, USAGE], False),
     "content_length": ("length", [ROLE, HELLO], False),
     "until_close": ("close", [ROLE, HELLO], False),
+    "until_close_whole": ("close", VLLM_EVENTS, True),  # the close ends a body that has no length
     "fin_mid_body": ("fin", [ROLE, HELLO], False),
     # n=2: choice 0 finishes first, long before the stream's last reads
     "n2_whole": ("chunked", [_choice(0, "a"), _choice(1, "b"), _choice(0, "c", "stop"),
@@ -419,3 +420,7 @@ def test_an_independent_pod_cut_anywhere_gets_the_same_verdict(raw_gateway: str,
     else:
         error = sse_error(resp.content)
         assert error["code"] == "upstream_truncated", error
+    # gRPC-Web: the same verdict, as the trailers' status
+    ask = {**CHAT, **({"n": 2} if cut.startswith("n2") else {})}
+    _, payloads, status = grpc_web(raw_gateway, "StreamChatCompletion", ask, headers={"x-cut": cut})
+    assert payloads and status["grpc-status"] == ("0" if whole else "14"), status

@@ -220,6 +220,13 @@ class PodConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool._forget(self)
+        response = self.response
+        if exc is None and response is not None and response.status and _until_close(response.headers):
+            # A body with neither length nor chunks ends where the connection does (RFC 9112 6.3):
+            # the EOF completes it, and whether the answer was whole is the relay's verdict.
+            self.response = None
+            response._finish()
+            return
         self._fail(PodBrokenError(f"connection closed by the pod ({exc or 'EOF'})"))
 
     # -- httptools callbacks ---------------------------------------------------------------------
@@ -404,6 +411,11 @@ def shut_down_now(transport: asyncio.BaseTransport) -> None:
     fd = sock.fileno() if sock is not None else -1
     if fd >= 0:
         shut_down_fd(fd)
+
+
+def _until_close(headers: dict[str, str]) -> bool:
+    """Whether a response's body is delimited by the connection's close (no length, not chunked)."""
+    return "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower()
 
 
 def _request_head(
