@@ -104,6 +104,25 @@ class ClientLimitsConfig(_Frozen):
     h2_send_stall_s: float = Field(default=30.0, gt=0, description="a chunk waiting for the window/reads")
 
 
+class H3LimitsConfig(_Frozen):
+    """What HTTP/3 clients may make the gateway hold (docs/configuration.md, docs/transports.md)."""
+
+    max_connections: int = Field(default=2048, ge=1, description="QUIC connections; more: dropped")
+    max_concurrent_streams: int = Field(default=128, ge=1, description="request streams per connection")
+    handshake_timeout_s: float = Field(default=10.0, gt=0, description="unfinished by then: closed")
+    idle_timeout_s: float = Field(default=30.0, gt=0, description="QUIC idle timeout (no packet received)")
+    retry: Literal["auto", "always", "never"] = Field(
+        default="auto", description="QUIC Retry (address validation); auto: while handshakes pile up"
+    )
+    retry_above_handshakes: int = Field(default=64, ge=0, description="auto: Retry from this many")
+    max_crypto_buffer_bytes: int = Field(default=16 * 1024, ge=4096, description="CRYPTO data per epoch")
+    drain_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=0, description="after an early answer, upload still accepted and dropped"
+    )
+    drain_body_s: float = Field(default=10.0, ge=0, description="... and for how long, before STOP_SENDING")
+    send_stall_s: float = Field(default=30.0, gt=0, description="no room to send: reset")
+
+
 class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -117,6 +136,7 @@ class ServerConfig(_Frozen):
     h2c: bool = Field(default=True, description="HTTP/2 with prior knowledge on the cleartext port")
     max_concurrent_streams: int = Field(default=128, ge=1, description="per HTTP/2 connection")
     limits: ClientLimitsConfig = ClientLimitsConfig()
+    h3_limits: H3LimitsConfig = H3LimitsConfig()
     tls: TlsConfig | None = None
 
 

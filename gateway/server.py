@@ -53,6 +53,8 @@ class ExtraListeners:
     h3_port: int | None = None  # None: the TLS listener's port number
     h2: H2Settings = field(default_factory=H2Settings)
     h1: H1Limits = field(default_factory=H1Limits)
+    h3_limits: Any = None  # transports.h3_guard.H3Limits; None: its defaults
+    h3_stall_s: float | None = 30.0  # an HTTP/3 response with no room to send this long: reset
     alt_svc_port: int | None = None  # the HTTP/3 port as clients see it; None: the bound one
     alt_svc_max_age_s: int = 86400
 
@@ -138,7 +140,10 @@ class Server(uvicorn.Server):
         if extra.quic is not None:
             from transports.h3_server import H3Listener
 
-            self.h3 = H3Listener(config.loaded_app, extra.quic, self.server_state, state, config.root_path)
+            self.h3 = H3Listener(
+                config.loaded_app, extra.quic, self.server_state, state, config.root_path,
+                limits=extra.h3_limits, stall_s=extra.h3_stall_s,
+            )
             h3_host, h3_port = await self.h3.start(
                 config.host, extra.h3_port if extra.h3_port is not None else tls_port
             )
@@ -196,17 +201,27 @@ def extra_listeners(config: Config) -> ExtraListeners:
         return ExtraListeners(h2=h2, h1=h1)
     try:
         context = server_context(tls.cert, tls.key)
-        quic = None
+        quic = h3_limits = None
         if tls.h3:
+            from transports.h3_guard import H3Limits
             from transports.h3_server import quic_configuration
 
-            quic = quic_configuration(tls.cert, tls.key)
+            h3l = config.server.h3_limits
+            quic = quic_configuration(tls.cert, tls.key, idle_timeout_s=h3l.idle_timeout_s)
+            h3_limits = H3Limits(
+                max_connections=h3l.max_connections, max_concurrent_streams=h3l.max_concurrent_streams,
+                handshake_timeout_s=h3l.handshake_timeout_s, retry=h3l.retry,
+                retry_above_handshakes=h3l.retry_above_handshakes,
+                max_crypto_buffer_bytes=h3l.max_crypto_buffer_bytes,
+                drain_body_bytes=h3l.drain_body_bytes, drain_body_s=h3l.drain_body_s,
+            )
     except TlsFilesError as exc:
         raise ConfigError(f"server.tls: {exc}") from None
     except (ValueError, TypeError, OSError) as exc:  # aioquic's own loading of the PEM files
         raise ConfigError(f"server.tls: cannot load {tls.cert!r} / {tls.key!r} for HTTP/3: {exc}") from None
     return ExtraListeners(
         tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2, h1=h1,
+        h3_limits=h3_limits, h3_stall_s=config.server.h3_limits.send_stall_s,
         alt_svc_port=tls.alt_svc_port, alt_svc_max_age_s=tls.alt_svc_max_age_s,
     )
 

@@ -17,7 +17,14 @@ The three promises the rest of the gateway relies on:
 - **Back-pressure, bounded buffers.** ``send()`` hands the body to the connection, which writes what
   flow control allows; while the stream's window is closed or the connection's output is above its
   high-water mark, ``send()`` does not return. Nothing is queued beyond the one chunk in hand.
-- **After the response (or the client) is gone, sends are no-ops**, as under uvicorn.
+- **A client that stops reading is cut off.** Each wait for room is bounded by the stream's
+  ``stall_s``: a peer that never opens its flow-control window (or never reads its socket) would
+  otherwise hold ``send()``, and with it the pod's generation, forever. When the deadline passes,
+  the connection resets the stream (``StreamConnection.stalled``, in its protocol's words) and the
+  stream is ``lost()``: the app sees ``http.disconnect`` and the relay aborts the pod request.
+- **After the response (or the client) is gone, sends are no-ops**, as under uvicorn; request body
+  that arrives after the response is complete is not kept (the connection decides what to do with
+  the rest of the upload, see ``stream_done``).
 
 The hot path, one body chunk: a dict lookup or two, one call into the connection (which frames it
 and schedules one write per connection per event-loop turn), no task, queue or copy of our own.
@@ -67,6 +74,10 @@ class StreamConnection(Protocol):
     def abort(self, stream: AsgiStream) -> None:
         """Reset the stream (the app failed after the response started)."""
 
+    def stalled(self, stream: AsgiStream) -> None:
+        """Reset the stream: ``send()`` has waited ``stream.stall_s`` for room (the client does not
+        read). The stream calls ``lost()`` itself right after."""
+
     def stream_done(self, stream: AsgiStream) -> None:
         """The app has returned: forget the stream."""
 
@@ -101,16 +112,20 @@ class AsgiStream:
         "gone",
         "on_gone",
         "scope",
+        "stall_s",
         "started",
         "stream_id",
         "task",
         "unconsumed",
     )
 
-    def __init__(self, conn: StreamConnection, stream_id: int, scope: dict[str, Any]) -> None:
+    def __init__(
+        self, conn: StreamConnection, stream_id: int, scope: dict[str, Any], stall_s: float | None = None
+    ) -> None:
         self.conn = conn
         self.stream_id = stream_id
         self.scope = scope
+        self.stall_s = stall_s  # the longest one send() waits for room; None: no limit
         self.task: asyncio.Task[None] | None = None
         self.started = False  # response headers sent
         self.ended = False  # the last byte of the response handed to the connection
@@ -127,8 +142,10 @@ class AsgiStream:
     # -- told by the connection ------------------------------------------------------------------
 
     def feed_body(self, data: bytes, flow_size: int) -> None:
-        if self.gone or self._delivered_end:
-            self.conn.consumed(self, flow_size)  # nobody will read it: give the window back now
+        if self.closed or self._delivered_end:
+            # nobody will read it (the response is complete, or the client gone): give the window
+            # back now and keep nothing
+            self.conn.consumed(self, flow_size)
             return
         self._body.append((data, flow_size))
         self.unconsumed += flow_size
@@ -175,9 +192,9 @@ class AsgiStream:
         return hook
 
     async def receive(self) -> dict[str, Any]:
-        if not self._delivered_end and not self.gone:
+        if not self._delivered_end and not self.closed:
             body = self._body
-            while not body and not self._body_done and not self.gone:
+            while not body and not self._body_done and not self.closed:
                 await self._wait_rx()
             if body:
                 data, size = body.popleft()
@@ -187,7 +204,7 @@ class AsgiStream:
                 more = bool(body) or not self._body_done
                 self._delivered_end = not more
                 return {"type": "http.request", "body": data, "more_body": more}
-            if not self.gone:
+            if not self.closed:
                 self._delivered_end = True
                 return {"type": "http.request", "body": b"", "more_body": False}
         while not self.closed:
@@ -275,11 +292,26 @@ class AsgiStream:
     async def _wait_tx(self) -> None:
         if self.gone:
             return
-        waiter = self._tx_waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._tx_waiter = loop.create_future()
+        # one timer per wait for room, none per chunk that goes straight out
+        timer = loop.call_later(self.stall_s, self._stalled, waiter) if self.stall_s is not None else None
         try:
             await waiter
         finally:
             self._tx_waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _stalled(self, waiter: asyncio.Future[None]) -> None:
+        """The stall deadline passed with ``send()`` still waiting: the client is not reading."""
+        if waiter.done() or self.gone:
+            return
+        logger.info("stream %d: no room to send for %.3g s, resetting it", self.stream_id, self.stall_s)
+        try:
+            self.conn.stalled(self)
+        finally:
+            self.lost()  # http.disconnect, the relay's callback (the pod is aborted), send() returns
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:

@@ -27,6 +27,17 @@ What aioquic leaves to its user, and how it is done here (see docs/transports.md
   the new request's task runs first and its pod request leaves before it.
 - **Graceful shutdown**: ``shutdown()`` sends an HTTP/3 GOAWAY on the control stream, refuses newer
   request streams (H3_REQUEST_REJECTED), and closes the connection when the open ones end.
+- **Early answers** (a 413 for an oversized body, a 400/401/429 or a gRPC error decided before the
+  upload is over): the complete response (HEADERS, DATA, FIN) goes out, then the rest of the upload
+  is accepted and dropped, up to ``drain_body_bytes`` / ``drain_body_s``, and only past that budget
+  is the client asked to stop (STOP_SENDING H3_NO_ERROR, RFC 9114 section 4.1.1). Our response is
+  never reset. Chromium fails a request whose upload is stopped while one of its writes waits for
+  flow-control credit, even with H3_NO_ERROR and the whole response received (its stream closes
+  with ERR_QUIC_PROTOCOL_ERROR unless its own FIN was sent), so stopping at once, as HTTP/2 does
+  with RST_STREAM NO_ERROR, would lose the answer in the browser.
+- **Limits** (``transports.h3_guard``): concurrent request streams, the connection table, Retry,
+  handshake deadline, CRYPTO buffering; and a client that does not read for ``stall_s`` has its
+  stream reset (H3_REQUEST_CANCELLED) and the app told it is gone.
 """
 
 from __future__ import annotations
@@ -37,7 +48,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from aioquic.asyncio import serve as quic_serve
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import encode_uint_var
@@ -48,13 +58,16 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import (
     ConnectionTerminated,
+    HandshakeCompleted,
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
     StreamReset,
 )
+from aioquic.quic.packet import QuicErrorCode
 
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
+from transports.h3_guard import H3Limits, H3Stats, apply_stream_limits, bound_crypto_buffers, serve_guarded
 
 logger = logging.getLogger("sluicegate.transports")
 
@@ -104,6 +117,8 @@ class H3Protocol(QuicConnectionProtocol):
         self.listener = listener
         self.app = listener.app
         self.server_state = listener.server_state
+        self.limits = listener.limits
+        self.stats = listener.stats
         self.h3: H3Connection | None = None
         self.streams: dict[int, AsgiStream] = {}
         self.server: tuple[str, int] | None = None
@@ -113,6 +128,15 @@ class H3Protocol(QuicConnectionProtocol):
         self._blocked: dict[int, AsgiStream] = {}
         self._fresh: set[int] = set()  # streams whose response HEADERS are written, not yet transmitted
         self._opened = False  # the datagram being handled opened a request stream: defer its transmit
+        # early-answered requests whose upload is still accepted: [bytes left, deadline timer]
+        self._draining: dict[int, list[Any]] = {}
+        apply_stream_limits(quic, self.limits)
+        self.stats.connections += 1
+        self.stats.handshaking += 1
+        self._handshake_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            self.limits.handshake_timeout_s, self._handshake_expired
+        )
+        self._counted = True
 
     # -- QuicConnectionProtocol ------------------------------------------------------------------
 
@@ -143,6 +167,8 @@ class H3Protocol(QuicConnectionProtocol):
                     stream.writable()
 
     def quic_event_received(self, event: QuicEvent) -> None:
+        if self._handshake_timer is not None and isinstance(event, HandshakeCompleted):
+            self._handshake_done()
         h3 = self.h3
         if h3 is None:
             if isinstance(event, ProtocolNegotiated):
@@ -161,6 +187,8 @@ class H3Protocol(QuicConnectionProtocol):
                         stream.feed_body(h3_event.data, 0)
                     if h3_event.stream_ended:
                         stream.feed_end()
+                elif h3_event.stream_id in self._draining:
+                    self._drained(h3_event.stream_id, len(h3_event.data), h3_event.stream_ended)
             elif isinstance(h3_event, HeadersReceived):
                 self._on_headers(h3_event)
         if isinstance(event, StopSendingReceived):
@@ -196,12 +224,19 @@ class H3Protocol(QuicConnectionProtocol):
             if event.stream_ended:
                 stream.feed_end()
             return
-        if sid <= self._highest_stream:
-            return  # a late HEADERS for a stream already served and forgotten
+        if sid <= self._highest_stream:  # a late HEADERS (trailers) for a stream already answered
+            if sid in self._draining:
+                self._drained(sid, 0, event.stream_ended)
+            return
         self._highest_stream = sid
-        if self.closing:
+        if self.closing or len(self.streams) + len(self._draining) >= self.limits.max_concurrent_streams:
+            # shutting down, or over our own cap (aioquic's stream credit comes back before our
+            # task for a cancelled stream is done): not processed, the client may retry it
+            if not self.closing:
+                self.stats.streams_rejected += 1
             self._quic.reset_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
-            self._quic.stop_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
+            with contextlib.suppress(ValueError):
+                self._quic.stop_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
             self._transmit_soon()
             return
         scope = request_scope(
@@ -217,7 +252,7 @@ class H3Protocol(QuicConnectionProtocol):
             self._quic.reset_stream(sid, ErrorCode.H3_MESSAGE_ERROR)
             self._transmit_soon()
             return
-        stream = AsgiStream(self, sid, scope)
+        stream = AsgiStream(self, sid, scope, self.listener.stall_s)
         self.streams[sid] = stream
         if event.stream_ended:
             stream.feed_end()
@@ -231,6 +266,10 @@ class H3Protocol(QuicConnectionProtocol):
     def _on_cancel(self, stream_id: int, request_reset: bool) -> None:
         """STOP_SENDING (our sending side is already reset) or RESET_STREAM of the request."""
         self._blocked.pop(stream_id, None)
+        drain = self._draining.pop(stream_id, None)
+        if drain is not None:  # the client gave up the rest of its upload: nothing left to do
+            drain[1].cancel()
+            return
         stream = self.streams.get(stream_id)
         if stream is None:
             return
@@ -244,6 +283,14 @@ class H3Protocol(QuicConnectionProtocol):
     def _terminated(self) -> None:
         self.server_state.connections.discard(self)
         self._blocked.clear()
+        for _, timer in self._draining.values():
+            timer.cancel()
+        self._draining.clear()
+        if self._handshake_timer is not None:
+            self._handshake_done()
+        if self._counted:
+            self._counted = False
+            self.stats.connections -= 1
         for stream in list(self.streams.values()):
             stream.lost()
 
@@ -290,17 +337,74 @@ class H3Protocol(QuicConnectionProtocol):
             self._quic.reset_stream(stream.stream_id, ErrorCode.H3_INTERNAL_ERROR)
         self._transmit_soon()
 
+    def stalled(self, stream: AsgiStream) -> None:
+        # The request is cancelled, not failed: H3_REQUEST_CANCELLED both ways (RFC 9114 8.1).
+        sid = stream.stream_id
+        self._blocked.pop(sid, None)
+        self.stats.stalls += 1
+        with contextlib.suppress(ValueError):
+            self._quic.reset_stream(sid, ErrorCode.H3_REQUEST_CANCELLED)
+            if not stream.request_complete:
+                self._quic.stop_stream(sid, ErrorCode.H3_REQUEST_CANCELLED)
+        self._transmit_soon()
+
     def stream_done(self, stream: AsgiStream) -> None:
         sid = stream.stream_id
         self.streams.pop(sid, None)
         self._blocked.pop(sid, None)
         if stream.ended and not stream.gone and not stream.request_complete:
-            # Complete answer, request body still coming: ask the client to stop (RFC 9114 4.1).
-            with contextlib.suppress(ValueError):
-                self._quic.stop_stream(sid, ErrorCode.H3_NO_ERROR)
-            self._transmit_soon()
+            self._drain(sid)  # complete answer, request body still coming (see the module doc)
         if self.closing and not self.streams:
             self._close_connection()
+
+    # -- early answers: the rest of the upload -------------------------------------------------
+
+    def _drain(self, sid: int) -> None:
+        limits = self.limits
+        if limits.drain_body_bytes <= 0 or limits.drain_body_s <= 0:
+            self._stop_upload(sid)
+            return
+        timer = self._loop.call_later(limits.drain_body_s, self._stop_upload, sid)
+        self._draining[sid] = [limits.drain_body_bytes, timer]
+
+    def _drained(self, sid: int, size: int, ended: bool) -> None:
+        """Upload bytes of an answered request arrived (and were dropped as aioquic handed them over;
+        aioquic keeps granting flow-control credit as data arrives)."""
+        drain = self._draining[sid]
+        if ended:
+            del self._draining[sid]
+            drain[1].cancel()
+            self.stats.drains_completed += 1
+            return
+        drain[0] -= size
+        if drain[0] < 0:
+            self._stop_upload(sid)
+
+    def _stop_upload(self, sid: int) -> None:
+        """Past the drain budget: ask the client to stop its upload (RFC 9114 section 4.1.1)."""
+        drain = self._draining.pop(sid, None)
+        if drain is not None:
+            drain[1].cancel()
+        self.stats.drains_stopped += 1
+        with contextlib.suppress(ValueError):
+            self._quic.stop_stream(sid, ErrorCode.H3_NO_ERROR)
+        self._transmit_soon()
+
+    # -- the handshake deadline ------------------------------------------------------------------
+
+    def _handshake_done(self) -> None:
+        assert self._handshake_timer is not None
+        self._handshake_timer.cancel()
+        self._handshake_timer = None
+        self.stats.handshaking -= 1
+
+    def _handshake_expired(self) -> None:
+        """A handshake still unfinished after ``handshake_timeout_s``: reclaim the connection."""
+        self._handshake_timer = None
+        self.stats.handshaking -= 1
+        self.stats.handshakes_timed_out += 1
+        self._quic.close(error_code=QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout")
+        self.transmit()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -323,12 +427,18 @@ class H3Listener:
         server_state: Any,
         app_state: dict[str, Any],
         root_path: str = "",
+        *,
+        limits: H3Limits | None = None,
+        stall_s: float | None = 30.0,
     ) -> None:
         self.app = app
         self.configuration = configuration
         self.server_state = server_state
         self.app_state = app_state
         self.root_path = root_path
+        self.limits = limits or H3Limits()
+        self.stall_s = stall_s  # see AsgiStream.stall_s
+        self.stats = H3Stats()
         self.accepting = True
         self.server: QuicServer | None = None
 
@@ -338,8 +448,10 @@ class H3Listener:
         def create_protocol(quic: QuicConnection, stream_handler: Any = None) -> H3Protocol:
             return H3Protocol(quic, stream_handler, listener=self)
 
-        self.server = await quic_serve(
-            host, port, configuration=self.configuration, create_protocol=create_protocol
+        bound_crypto_buffers(self.limits.max_crypto_buffer_bytes)
+        self.server = await serve_guarded(
+            host, port, limits=self.limits, stats=self.stats,
+            configuration=self.configuration, create_protocol=create_protocol,
         )
         transport = self.server._transport
         assert transport is not None
