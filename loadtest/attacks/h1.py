@@ -16,6 +16,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from gateway.rlimits import raise_open_file_limit
+
 CHAT_PATH = "/v1/chat/completions"
 CHAT_BODY = b'{"model":"llama-8b","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true}'
 
@@ -91,6 +93,7 @@ async def _trickle(host: str, port: int, first: bytes, drip: bytes, interval_s: 
 
 async def _many(host: str, port: int, connections: int, first: bytes, drip: bytes, interval_s: float,
                 duration_s: float) -> SlowReport:
+    raise_open_file_limit()  # thousands of connections pass the usual soft limit of 1024
     start = asyncio.get_running_loop().time()
     outcomes = await asyncio.gather(
         *(_trickle(host, port, first, drip, interval_s, duration_s, start) for _ in range(connections)),
