@@ -52,6 +52,7 @@ class H2Report:
     # may still have been in socket buffers then, unread by the server
     sent: int = 0
     goaway_code: int | None = None
+    goaway_last_stream: int | None = None  # the highest stream the server says it processed
     goaway_after_s: float | None = None
     closed: bool = False  # the server closed the connection (EOF or reset)
     closed_after_s: float | None = None
@@ -141,6 +142,7 @@ class Conn:
         if isinstance(frame, GoAwayFrame):
             if report.goaway_code is None:
                 report.goaway_code = frame.error_code
+                report.goaway_last_stream = frame.last_stream_id
                 report.goaway_after_s = time.monotonic() - self.start
         elif isinstance(frame, RstStreamFrame):
             report.resets[frame.error_code] += 1
