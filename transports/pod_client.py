@@ -85,20 +85,24 @@ class PodResponse:
     def _feed(self, body: bytes) -> None:
         if self._eof:
             return  # closed by the gateway while the parser was still delivering this read
-        if body[:1] != b":":  # an SSE keep-alive comment is not progress for the stall watch
+        if body[0] != 58:  # b":": an SSE keep-alive comment is not progress for the stall watch
             self.last_at = self._now()
         self.chunks += 1
         self.previous = self.last
         self.last = body
-        # O(1) C calls per read: an endless line (or one huge event) ends the answer, bounded
-        newline = body.rfind(b"\n")
-        if newline == -1:
-            self.line += len(body)
-            if self.line > self.max_line:
-                self.close(PodLineTooLong(f"more than {self.max_line} bytes without a newline"))
-                return
-        else:
-            self.line = len(body) - newline - 1
+        # An endless line (or one huge event) ends the answer: the bytes since the last newline are
+        # counted with one rfind, and only for a read that does not end with one (a token's does).
+        if body[-1] != 10:
+            newline = body.rfind(b"\n")
+            if newline == -1:
+                self.line += len(body)
+                if self.line > self.max_line:
+                    self.close(PodLineTooLong(f"more than {self.max_line} bytes without a newline"))
+                    return
+            else:
+                self.line = len(body) - newline - 1
+        elif self.line:
+            self.line = 0
         sink = self.sink
         if sink is not None:
             sink(body)
