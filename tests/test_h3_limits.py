@@ -230,6 +230,18 @@ async def test_unfinished_handshakes_are_closed_after_the_handshake_timeout(tmp_
         assert stats.handshakes_timed_out == 5
 
 
+@pytest.mark.parametrize(("offset", "kept"), [(1000, True), (100_000, False)])
+async def test_crypto_data_far_ahead_ends_the_connection(tmp_path: Path, offset: int, kept: bool) -> None:
+    # aioquic's own bound is 512 KiB (and it allocates up to the offset claimed); ours, 16 KiB
+    async with serving(tmp_path, handshake_timeout_s=30) as running:
+        stats = running.listener.stats
+        sent = await attacks.crypto_offset("127.0.0.1", running.port, offset=offset)
+        assert sent >= 1200
+        assert await eventually(lambda: stats.connections == 1 or stats.handshakes_timed_out > 0, 2)
+        closed = await eventually(lambda: stats.connections == 0, 3.0)
+        assert closed is not kept and stats.handshakes_timed_out == 0
+
+
 # -- the send-stall deadline ---------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ it observed. Meant for 127.0.0.1 and a gateway you run yourself; certificates ar
   (HTTP/2's rapid reset, in HTTP/3): the stream credit comes back before the server's work is done.
 - ``initial_flood``: one real ClientHello from each of ``count`` source ports, never continued.
 - ``half_open``: the same, but each client keeps listening (see its doc for what it can see).
+- ``crypto_offset``: one forged Initial whose CRYPTO frame claims a far offset.
 - ``never_reading``: a request whose response the client never grants flow-control credit for
   (it still acknowledges packets, so the connection stays alive).
 """
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import os
 import ssl
 import time
 from collections import Counter
@@ -34,7 +36,10 @@ from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.crypto import CryptoPair
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StopSendingReceived, StreamReset
+from aioquic.quic.packet import QuicFrameType, QuicPacketType, QuicProtocolVersion
+from aioquic.quic.packet_builder import QuicPacketBuilder
 
 H3_NO_ERROR = int(ErrorCode.H3_NO_ERROR)
 H3_REQUEST_REJECTED = int(ErrorCode.H3_REQUEST_REJECTED)
@@ -382,6 +387,37 @@ async def _initials(host: str, port: int, *, count: int, wait_s: float, listen: 
                 report.close_codes[proto.terminated.error_code] += 1
                 report.closed_after_s.append(proto.terminated_at - started)
     return report
+
+
+# -- a CRYPTO frame claiming a far offset -------------------------------------------------------
+
+
+async def crypto_offset(host: str, port: int, *, offset: int, size: int = 64) -> int:
+    """One client Initial (padded to 1200 bytes) whose only frame is CRYPTO data at ``offset``: a
+    server buffers CRYPTO data out of order up to the highest offset it accepts. Returns the bytes
+    sent; what the server did is for its own counters to say."""
+    _loopback(host)
+    dcid, scid = os.urandom(8), os.urandom(8)
+    crypto = CryptoPair()
+    crypto.setup_initial(cid=dcid, is_client=True, version=QuicProtocolVersion.VERSION_1)
+    builder = QuicPacketBuilder(
+        host_cid=scid, peer_cid=dcid, version=QuicProtocolVersion.VERSION_1, is_client=True,
+        max_datagram_size=1200,
+    )
+    builder.start_packet(QuicPacketType.INITIAL, crypto)
+    buf = builder.start_frame(QuicFrameType.CRYPTO)
+    buf.push_uint_var(offset)
+    buf.push_uint_var(size)
+    buf.push_bytes(os.urandom(size))
+    datagrams, _ = builder.flush()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=(host, 0))
+    try:
+        for datagram in datagrams:
+            transport.sendto(datagram, (host, port))
+    finally:
+        transport.close()
+    return sum(len(d) for d in datagrams)
 
 
 # -- a client that never grants credit -----------------------------------------------------------
