@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -354,6 +355,31 @@ async def repeated(attack: Callable[[], Awaitable[H2Report]], duration_s: float)
     while time.monotonic() < deadline:
         reports.append(await attack())
     return reports
+
+
+async def not_reading(host: str, port: int, max_tokens: int = 200_000, wait_s: float = 30.0) -> H2Report:
+    """A long answer asked for with every flow-control window opened wide, and the socket never read:
+    the server's send buffer fills. ``closed_after_s``: when a write (a PING every 0.2 s) failed,
+    i.e. when the server dropped the connection."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill up sooner
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    conn = Conn(*(await asyncio.open_connection(sock=sock)), read=False)
+    big = SettingsFrame(0)
+    big.settings = {SettingsFrame.INITIAL_WINDOW_SIZE: 2**31 - 1}
+    body = CHAT % max_tokens
+    await conn.send(PREFACE + big.serialize() + window_update(0, 2**31 - 1 - 65_535)
+                    + conn.headers(1, request_headers(host, port, content_length=len(body)), end_stream=False)
+                    + DataFrame(1, data=body, flags=["END_STREAM"]).serialize())
+    conn.report.sent = 1
+    ping = PingFrame(0).serialize()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and await conn.send(ping):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(conn.gone.wait(), 0.2)
+    conn.writer.close()
+    return conn.report
 
 
 @dataclass
