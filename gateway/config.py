@@ -123,25 +123,6 @@ class H3LimitsConfig(_Frozen):
     send_stall_s: float = Field(default=30.0, gt=0, description="no room to send: reset")
 
 
-class ClientLimitsConfig(_Frozen):
-    """What one client connection may make the gateway wait for or hold (docs/hardening.md)."""
-
-    head_timeout_s: float = Field(default=10.0, gt=0, description="h1 head, h2 first HEADERS: slowloris")
-    body_idle_timeout_s: float = Field(default=10.0, gt=0, description="HTTP/1.1 body silence: slow POST")
-    body_timeout_s: float = Field(default=30.0, gt=0, description="whole HTTP/1.1 body after its head")
-    keep_alive_timeout_s: float = Field(default=30.0, gt=0, description="idle connection between requests")
-    max_request_line_bytes: int = Field(default=8192, ge=256, description="longer: 414")
-    max_headers: int = Field(default=100, ge=8, description="more request headers: 431")
-    max_header_bytes: int = Field(default=65536, ge=1024, description="names + values (h2: HPACK size): 431")
-    h2_premature_reset_s: float = Field(default=1.0, ge=0, description="a stream reset younger is premature")
-    h2_max_premature_resets: int = Field(default=100, ge=1, description="Rapid Reset: then GOAWAY")
-    h2_control_frames_per_s: float = Field(default=100.0, gt=0, description="PING/SETTINGS/PRIORITY rate")
-    h2_control_frame_burst: int = Field(default=1000, ge=1, description="... and burst")
-    h2_max_outbound_control_frames: int = Field(default=1000, ge=1, description="queued for a non-reader")
-    h2_max_empty_frames: int = Field(default=10, ge=0, description="empty DATA frames in a row")
-    h2_send_stall_s: float = Field(default=30.0, gt=0, description="a chunk waiting for the window/reads")
-
-
 class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
