@@ -74,7 +74,7 @@ def test_a_streak_with_one_hard_failure_is_hard() -> None:
 
 def test_below_the_panic_threshold_routing_spans_every_live_pod() -> None:
     reg, monitor, metrics = fleet(3)
-    p0, p1, p2 = reg.pods
+    _, p1, p2 = reg.pods
     for pod in (p1, p2):  # two of three time out on their probes with no traffic to vouch for them
         for _ in range(3):
             monitor.record_probe(pod, TIMEOUT, now=50.0)
