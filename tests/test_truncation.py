@@ -35,6 +35,7 @@ from tests.conftest import counter_totals, wait_for
 from tests.test_grpc_web import grpc_web
 from tests.test_h2_server import client_context
 from tests.test_h3_server import h3_client
+from transports.pod_client import PodBrokenError, PodClient, PodLineTooLong
 from transports.tls import self_signed
 
 FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "1"]
@@ -424,3 +425,90 @@ def test_an_independent_pod_cut_anywhere_gets_the_same_verdict(raw_gateway: str,
     ask = {**CHAT, **({"n": 2} if cut.startswith("n2") else {})}
     _, payloads, status = grpc_web(raw_gateway, "StreamChatCompletion", ask, headers={"x-cut": cut})
     assert payloads and status["grpc-status"] == ("0" if whole else "14"), status
+
+
+# -- the pod client's own checks, over a real socket ---------------------------------------------------
+
+
+async def _one_answer(answer: list[bytes], gap_s: float = 0.0) -> tuple[asyncio.Server, int]:
+    """A loopback server that writes ``answer`` piece by piece (``gap_s`` apart), then closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        for piece in answer:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def test_a_line_past_the_cap_ends_the_answer_with_little_held() -> None:
+    pieces = [SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n", _chunk(HELLO), _chunk(b'data: {"id":"')]
+    pieces += [_chunk(b"A" * 65536)] * 40  # 2.5 MiB, never a newline
+    server, port = await _one_answer(pieces)
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/", [], b"")
+    resp.max_line = 256 * 1024
+    got = bytearray()
+    resp.splice(got.extend)
+    with pytest.raises(PodLineTooLong):
+        await asyncio.wait_for(resp.done, 10)
+    # the line's bytes up to the cap passed; the read that crossed it did not, nor anything after
+    assert 128 * 1024 < len(got) - len(HELLO) <= 256 * 1024 + len(b'data: {"id":"')
+    await client.close()
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("reads", "progress"),
+    [
+        ([b": keep-alive\n\n"] * 3, False),  # comments only: the stall watch sees silence
+        ([b": keep-alive\n\n" + HELLO] * 3, True),  # a comment and a token in one read is progress
+        ([HELLO] * 3, True),
+    ],
+)
+async def test_only_reads_with_data_count_as_progress_for_the_stall_watch(
+    reads: list[bytes], progress: bool
+) -> None:
+    pieces = [SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n", _chunk(ROLE), *map(_chunk, reads)]
+    server, port = await _one_answer(pieces, gap_s=0.05)
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/", [], b"")
+    assert await resp.read() == ROLE  # the role chunk is data: progress
+    since = resp.last_at
+    for _ in reads:
+        await resp.read()
+    assert (resp.last_at > since + 0.09) == progress  # three reads 50 ms apart moved it, or not at all
+    await client.close()
+    server.close()
+
+
+@pytest.mark.parametrize("framing", ["until_close", "chunked_then_fin"])
+async def test_the_close_ends_a_body_only_when_it_has_no_length(framing: str) -> None:
+    if framing == "until_close":  # no content-length, not chunked: the close is the end (RFC 9112 6.3)
+        pieces = [SSE_HEAD + b"\r\n", ROLE, HELLO]
+    else:  # chunked: a close before the last chunk cuts the body
+        pieces = [SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n", _chunk(ROLE), _chunk(HELLO)]
+    server, port = await _one_answer(pieces)
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/", [], b"")
+    if framing == "until_close":
+        assert await resp.read_all() == ROLE + HELLO and resp.complete
+        assert resp.previous + resp.last == ROLE + HELLO  # what the relay's verdict reads (not whole)
+    else:
+        with pytest.raises(PodBrokenError):
+            await resp.read_all()
+    await client.close()
+    server.close()

@@ -85,7 +85,7 @@ class PodResponse:
     def _feed(self, body: bytes) -> None:
         if self._eof:
             return  # closed by the gateway while the parser was still delivering this read
-        if body[0] != 58:  # b":": an SSE keep-alive comment is not progress for the stall watch
+        if body[0] != 58 or b"\ndata:" in body:  # a read of only SSE comments (b":...") is no progress
             self.last_at = self._now()
         self.chunks += 1
         self.previous = self.last
