@@ -2,27 +2,100 @@
 
 For each configured pod on a loopback address, a pod simulator is started with that pod's port,
 models and MIG identity; then the gateway serves in front of them and prints examples that work
-as printed. Everything stops together on Ctrl-C.
+as printed, with the address it listens on (not a name that may resolve elsewhere: browsers send
+``localhost`` to ``::1`` too). Everything stops together on Ctrl-C. A demo that cannot start (a
+port taken, say by another demo; a simulator that fails) says why in one line, stops the pods it
+had started and exits 3.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import ipaddress
 import json
 import shlex
+import socket
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.config import Config, PodConfig, TlsConfig
+from gateway.config import Config, ConfigError, PodConfig, TlsConfig
 from gateway.rlimits import raise_open_file_limit
 from gateway.server import build_server
-from loadtest.podsim.launch import PodsimProcess
+from loadtest.podsim.launch import PodsimProcess, PodsimStartError
 
 # Realistic-looking speeds for a person watching tokens arrive.
 DEMO_SPEEDS = ("--ttft-ms", "120", "--itl-ms", "40")
+CERT_HOSTS = ("localhost", "127.0.0.1", "::1")
+START_FAILURE = 3  # as `sluicegate serve` when a port is taken
+
+
+class DemoStartError(Exception):
+    """Why the demo cannot start, in one line for the operator."""
+
+
+def advertised_host(host: str) -> str:
+    """How to reach a listener bound to ``host`` in a URL: the address itself (a wildcard through
+    its family's loopback), IPv6 in brackets."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _bind_error(host: str, port: int, kind: socket.SocketKind) -> str | None:
+    """Why ``host``:``port`` cannot be bound (None when it can), tried the way the servers bind."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=kind, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror}"
+    for family, _, _, _, address in infos:
+        with socket.socket(family, kind) as sock:
+            if kind == socket.SOCK_STREAM:  # as asyncio and uvicorn do: TIME_WAIT is no obstacle
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue  # e.g. ::1 on a machine without IPv6: nothing would listen there
+                return "in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+    return None
+
+
+def check_ports(config: Config, simulated: list[PodConfig]) -> None:
+    """Raise ``DemoStartError`` naming every port the demo needs that cannot be bound now, before
+    anything starts (a second demo finds them all taken by the first)."""
+    wanted: list[tuple[str, int, socket.SocketKind, str]] = []
+    for pod in simulated:
+        parts = urlsplit(pod.url)
+        wanted.append((parts.hostname or "127.0.0.1", parts.port or 80, socket.SOCK_STREAM, pod.name))
+    server = config.server
+    wanted.append((server.host, server.port, socket.SOCK_STREAM, "the gateway"))
+    if server.tls is not None:
+        wanted.append((server.host, server.tls.port, socket.SOCK_STREAM, "the gateway, TLS"))
+        if server.tls.h3:
+            h3_port = server.tls.h3_port if server.tls.h3_port is not None else server.tls.port
+            wanted.append((server.host, h3_port, socket.SOCK_DGRAM, "the gateway, HTTP/3"))
+    problems: dict[str, list[str]] = {}
+    for host, port, kind, what in wanted:
+        if port == 0:
+            continue
+        error = _bind_error(host, port, kind)
+        if error is not None:
+            proto = "udp" if kind == socket.SOCK_DGRAM else "tcp"
+            problems.setdefault(error, []).append(f"{proto} {advertised_host(host)}:{port} ({what})")
+    if not problems:
+        return
+    text = "; ".join(f"{', '.join(where)}: {error}" for error, where in problems.items())
+    hint = ""
+    if "in use" in problems:
+        hint = (
+            " - is another `sluicegate demo` running? Stop it, or give this one other ports "
+            "(--port for the gateway, a --config FILE for the rest)"
+        )
+    raise DemoStartError(f"cannot listen on {text}{hint}")
 
 
 def _is_loopback(url: str) -> bool:
@@ -51,18 +124,21 @@ def podsim_args(pod: PodConfig) -> list[str]:
     return [*args, *DEMO_SPEEDS]
 
 
-def ensure_certificate(tls: TlsConfig) -> bool:
+def ensure_certificate(tls: TlsConfig, host: str = "127.0.0.1") -> bool:
     """Make a self-signed certificate and key at the configured paths when either is missing.
 
-    True when a new pair was made. The pair names localhost, 127.0.0.1 and ::1 and is its own CA, so
-    a client trusts it by trusting the file.
+    True when a new pair was made. The pair names localhost, 127.0.0.1, ::1 and the listening
+    ``host`` (as IP addresses, so that a client of the printed https://127.0.0.1 URL can check it),
+    and is its own CA, so a client trusts it by trusting the file.
     """
     cert, key = Path(tls.cert), Path(tls.key)
     if cert.is_file() and key.is_file():
         return False
     from transports.tls import self_signed
 
-    made_cert, made_key = self_signed(cert.parent, days=365)
+    listening = advertised_host(host).strip("[]")
+    hosts = CERT_HOSTS if listening in CERT_HOSTS else (*CERT_HOSTS, listening)
+    made_cert, made_key = self_signed(cert.parent, hosts=hosts, days=365)
     if made_cert != cert:
         made_cert.replace(cert)
     if made_key != key:
@@ -71,11 +147,11 @@ def ensure_certificate(tls: TlsConfig) -> bool:
     return True
 
 
-def tls_examples(tls: TlsConfig, model: str) -> str:
+def tls_examples(tls: TlsConfig, model: str, host: str = "127.0.0.1") -> str:
     """How to trust the demo's certificate, and a request over each TLS transport."""
     cert_path = str(Path(tls.cert).resolve())
     cert = shlex.quote(cert_path)
-    base = f"https://localhost:{tls.port}"
+    base = f"https://{advertised_host(host)}:{tls.port}"
     h3 = f"HTTP/3 on UDP {tls.h3_port or tls.port}" if tls.h3 else "no HTTP/3"
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 8},
@@ -102,7 +178,7 @@ def tls_examples(tls: TlsConfig, model: str) -> str:
 
 
 def examples(host: str, port: int, model: str) -> str:
-    base = f"http://{host}:{port}"
+    base = f"http://{advertised_host(host)}:{port}"
     body = json.dumps(
         {
             "model": model,
@@ -134,25 +210,56 @@ def examples(host: str, port: int, model: str) -> str:
 
 
 def run_demo(config: Config, log_level: str = "info") -> int:
+    """Run until Ctrl-C (0); a start that fails is one line on stderr and status 3 (2: bad TLS files)."""
     raise_open_file_limit()
-    tls = config.server.tls
-    if tls is not None and ensure_certificate(tls):
-        print(f"made a self-signed certificate for the demo: {Path(tls.cert).resolve()}", flush=True)
     simulated = [pod for pod in config.pods if _is_loopback(pod.url)]
-    sims = [PodsimProcess(podsim_args(pod)) for pod in simulated]
+    sims: list[PodsimProcess] = []
     try:
-        for sim in sims:
-            sim.start()
-        for pod, sim in zip(simulated, sims, strict=True):
+        check_ports(config, simulated)
+        tls = config.server.tls
+        if tls is not None and _make_certificate(tls, config.server.host):
+            print(f"made a self-signed certificate for the demo: {Path(tls.cert).resolve()}", flush=True)
+        for pod in simulated:
+            sim = _start_pod(pod)
+            sims.append(sim)
             mig = f" on {pod.mig.profile} slice {pod.mig.mig_uuid}" if pod.mig else ""
             print(f"simulated pod {pod.name} at {sim.url}{mig}", flush=True)
         model = next((m for pod in config.pods for m in pod.models), "llama-8b")
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve_and_announce(config, log_level, model))
+        asyncio.run(_serve_and_announce(config, log_level, model))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C, while starting or serving: everything stops below
+    except DemoStartError as exc:
+        print(f"sluicegate demo: {exc}", file=sys.stderr, flush=True)
+        return START_FAILURE
+    except ConfigError as exc:  # the TLS pair cannot be used
+        print(f"sluicegate demo: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for sim in sims:
-            sim.stop()
+            sim.close()
     return 0
+
+
+def _make_certificate(tls: TlsConfig, host: str) -> bool:
+    try:
+        return ensure_certificate(tls, host)
+    except OSError as exc:
+        raise DemoStartError(
+            f"cannot write the demo's certificate {tls.cert!r}: {exc.strerror or exc}"
+        ) from None
+
+
+def _start_pod(pod: PodConfig) -> PodsimProcess:
+    """A running simulator for ``pod``, or ``DemoStartError`` with the simulator's own last words."""
+    sim = PodsimProcess(podsim_args(pod))
+    try:
+        return sim.start()
+    except PodsimStartError:
+        code = sim.proc.returncode if sim.proc is not None else None
+        lines = [line.strip() for line in sim.stderr_text().splitlines() if line.strip()]
+        sim.close()
+        why = lines[-1] if lines else (f"exited with code {code}" if code is not None else "did not listen")
+        raise DemoStartError(f"simulated pod {pod.name} ({pod.url}) did not start: {why}") from None
 
 
 async def _serve_and_announce(config: Config, log_level: str, model: str) -> None:
@@ -163,7 +270,7 @@ async def _serve_and_announce(config: Config, log_level: str, model: str) -> Non
     if listening.done():
         text = examples(config.server.host, config.server.port, model)
         if config.server.tls is not None:
-            text += tls_examples(config.server.tls, model)
+            text += tls_examples(config.server.tls, model, config.server.host)
         print(text, flush=True)
     else:
         listening.cancel()

@@ -1,19 +1,27 @@
-"""`make run`'s demo: the examples it prints work as printed, and everything stops together."""
+"""`make run`'s demo: the examples it prints work as printed, at addresses it listens on;
+everything stops together; a demo that cannot start says why in one line."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import yaml
 
 from tests.conftest import unused_port
+from transports.h3_client import H3ClientConnection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,10 +46,8 @@ def _refuses(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.timeout(90)
-def test_demo_serves_the_examples_it_prints(tmp_path: Path) -> None:
-    config, ports = _demo_config_on_free_ports(tmp_path)
-    proc = subprocess.Popen(
+def _demo(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "demo", "--config", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -49,46 +55,154 @@ def test_demo_serves_the_examples_it_prints(tmp_path: Path) -> None:
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def _run_demo(config: Path) -> subprocess.CompletedProcess[str]:
+    """A demo that is expected not to start: it must end by itself."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo", "--config", str(config)],
+        capture_output=True, text=True, timeout=90, cwd=ROOT,
+    )
+
+
+@dataclass
+class Demo:
+    proc: subprocess.Popen[str]
+    banner: str
+    config: Path
+    ports: list[int]
+    cert: Path
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    """One demo for the module; stopping it with Ctrl-C must exit 0 and free every port."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    config, ports = _demo_config_on_free_ports(tmp_path)
+    proc = _demo(config)
     try:
         lines: list[str] = []
+        assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
             if "".join(lines).count("\nEOF\n") == 2:  # the end of the second (TLS) example
                 break
-        banner = "".join(lines)
-        assert banner.count("simulated pod pod-") == 3 and "1g.10gb" in banner
-
-        curl = banner[banner.index("curl -N") : banner.index("}'\n") + 2]
-        out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0 and out.stdout.rstrip().endswith("data: [DONE]")
-        assert out.stdout.count('"content":"') > 20
-
-        marker = banner.index(" - <<'EOF'\n")
-        start = banner.rindex("\n", 0, marker) + 1
-        printed = banner[start : banner.index("\nEOF\n", marker) + 5]  # the python command and its heredoc
-        sdk = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=30)
-        assert sdk.returncode == 0, sdk.stderr
-        assert len(sdk.stdout.split()) == 24
-
-        # over TLS: the certificate was made for the demo; curl speaks HTTP/2 to it, and the
-        # transports client moves to HTTP/3 once the first answer has advertised it
-        assert "made a self-signed certificate" in banner
-        tls_curl = banner[banner.index("curl -N --http2") : banner.index("}'\n", banner.index("--http2")) + 2]
-        out = subprocess.run(["bash", "-c", tls_curl + " -v"], capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0 and out.stdout.rstrip().endswith("data: [DONE]"), out.stderr
-        assert "using HTTP/2" in out.stderr
-        marker = banner.index(" - <<'EOF'\n", banner.index("--http2"))
-        start = banner.rindex("\n", 0, marker) + 1
-        printed = banner[start : banner.index("\nEOF\n", marker) + 5]
-        client = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert client.returncode == 0, client.stderr
-        first, second = client.stdout.splitlines()
-        assert first.endswith("<- over h2") and second.endswith("<- over h3")
-        assert first.split(" <- ")[0] and first.split(" <- ")[0] == second.split(" <- ")[0]
-
-        pods = httpx.get(f"http://127.0.0.1:{ports[0]}/admin/pods").json()["pods"]
-        assert {p["mig"]["profile"] for p in pods} == {"3g.40gb", "2g.20gb", "1g.10gb"}
+        yield Demo(proc, "".join(lines), config, ports, tmp_path / "tls" / "cert.pem")
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
+    assert all(_refuses(port) for port in ports)
+
+
+@pytest.mark.timeout(90)
+def test_demo_serves_the_examples_it_prints(demo: Demo) -> None:
+    banner, ports = demo.banner, demo.ports
+    assert banner.count("simulated pod pod-") == 3 and "1g.10gb" in banner
+
+    curl = banner[banner.index("curl -N") : banner.index("}'\n") + 2]
+    out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("data: [DONE]")
+    assert out.stdout.count('"content":"') > 20
+
+    marker = banner.index(" - <<'EOF'\n")
+    start = banner.rindex("\n", 0, marker) + 1
+    printed = banner[start : banner.index("\nEOF\n", marker) + 5]  # the python command and its heredoc
+    sdk = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=30)
+    assert sdk.returncode == 0, sdk.stderr
+    assert len(sdk.stdout.split()) == 24
+
+    # over TLS: the certificate was made for the demo; curl speaks HTTP/2 to it, and the
+    # transports client moves to HTTP/3 once the first answer has advertised it
+    assert "made a self-signed certificate" in banner
+    tls_curl = banner[banner.index("curl -N --http2") : banner.index("}'\n", banner.index("--http2")) + 2]
+    out = subprocess.run(["bash", "-c", tls_curl + " -v"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("data: [DONE]"), out.stderr
+    assert "using HTTP/2" in out.stderr
+    marker = banner.index(" - <<'EOF'\n", banner.index("--http2"))
+    start = banner.rindex("\n", 0, marker) + 1
+    printed = banner[start : banner.index("\nEOF\n", marker) + 5]
+    client = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert client.returncode == 0, client.stderr
+    first, second = client.stdout.splitlines()
+    assert first.endswith("<- over h2") and second.endswith("<- over h3")
+    assert first.split(" <- ")[0] and first.split(" <- ")[0] == second.split(" <- ")[0]
+
+    pods = httpx.get(f"http://127.0.0.1:{ports[0]}/admin/pods").json()["pods"]
+    assert {p["mig"]["profile"] for p in pods} == {"3g.40gb", "2g.20gb", "1g.10gb"}
+
+
+def _addresses(host: str) -> list[str]:
+    """Where a browser sends a host name: ``localhost`` is both loopbacks (Chromium resolves it
+    itself, and for QUIC tries ``::1``), anything else what the resolver says."""
+    if host == "localhost":
+        return ["127.0.0.1", "::1"]
+    return sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+
+
+@pytest.mark.timeout(90)
+def test_every_printed_url_is_answered_at_every_address_of_its_host(demo: Demo) -> None:
+    urls = {
+        (parts.scheme, parts.hostname, parts.port)
+        for parts in map(urlsplit, re.findall(r"https?://[^/\s'\"]+", demo.banner))
+    }
+    assert {scheme for scheme, _, _ in urls} == {"http", "https"}
+    context = ssl.create_default_context(cafile=str(demo.cert))  # checks the printed host is named
+    alt_svc = ""
+    for scheme, host, port in sorted(urls):
+        assert host is not None and port is not None
+        for address in _addresses(host):
+            with socket.create_connection((address, port), timeout=5) as sock:
+                if scheme == "https":
+                    with context.wrap_socket(sock, server_hostname=host):
+                        pass
+        if scheme == "https":
+            chat = {"model": "llama-8b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+            answer = httpx.post(f"https://{host}:{port}/v1/chat/completions", json=chat, verify=context)
+            alt_svc = answer.headers["alt-svc"]  # inference answers advertise HTTP/3
+            h3_port = int(re.fullmatch(r'h3=":(\d+)"; ma=\d+', alt_svc).group(1))
+
+            async def quic_handshakes(host: str = host, h3_port: int = h3_port) -> None:
+                for address in _addresses(host):  # Alt-Svc keeps the origin's host: same addresses
+                    conn = await H3ClientConnection.connect(
+                        address, h3_port, server_name=host, verify=demo.cert, handshake_timeout=5
+                    )
+                    await conn.aclose()
+
+            asyncio.run(quic_handshakes())
+    assert alt_svc, "an https URL was printed and it advertised HTTP/3"
+
+
+@pytest.mark.timeout(120)
+def test_a_second_demo_says_why_in_one_line_and_leaves_the_first_alone(demo: Demo) -> None:
+    second = _run_demo(demo.config)
+    assert second.returncode == 3
+    assert "Traceback" not in second.stderr
+    assert second.stderr.count("\n") == 1, second.stderr  # one line
+    message = second.stderr
+    assert message.startswith("sluicegate demo: cannot listen on ") and "in use" in message
+    assert "another `sluicegate demo`" in message
+    for port in demo.ports:  # the gateway's and each pod's port are named
+        assert f":{port} " in message
+    assert "udp 127.0.0.1:" in message  # HTTP/3
+    # the first demo and its pods are untouched
+    pods = httpx.get(f"http://127.0.0.1:{demo.ports[0]}/admin/pods").json()["pods"]
+    assert len(pods) == 3
+    for port in demo.ports[1:]:
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_pod_simulator_that_fails_stops_the_pods_already_started(tmp_path: Path) -> None:
+    config, ports = _demo_config_on_free_ports(tmp_path)
+    data = yaml.safe_load(config.read_text())
+    data["pods"][2]["mig"]["profile"] = "1g.0gb"  # a valid config, but no KV cache for the simulator
+    config.write_text(yaml.safe_dump(data))
+    result = _run_demo(config)
+    assert result.returncode == 3
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"sluicegate demo: simulated pod pod-c (http://127.0.0.1:{ports[3]})")
+    assert "must be positive" in result.stderr  # the simulator's own reason
+    # pod-a and pod-b had started (and said so), and are stopped again
+    assert "simulated pod pod-a" in result.stdout and "simulated pod pod-b" in result.stdout
     assert all(_refuses(port) for port in ports)
