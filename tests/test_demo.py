@@ -206,3 +206,28 @@ def test_a_pod_simulator_that_fails_stops_the_pods_already_started(tmp_path: Pat
     # pod-a and pod-b had started (and said so), and are stopped again
     assert "simulated pod pod-a" in result.stdout and "simulated pod pod-b" in result.stdout
     assert all(_refuses(port) for port in ports)
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        ("127.0.0.1", {"DNS:localhost", "IP:127.0.0.1", "IP:::1"}),
+        ("0.0.0.0", {"DNS:localhost", "IP:127.0.0.1", "IP:::1"}),
+        ("10.1.2.3", {"DNS:localhost", "IP:127.0.0.1", "IP:::1", "IP:10.1.2.3"}),
+    ],
+)
+def test_the_demo_certificate_names_the_addresses_it_is_reached_at(
+    tmp_path: Path, host: str, expected: set[str]
+) -> None:
+    from cryptography import x509
+
+    from gateway.config import TlsConfig
+    from gateway.demo import ensure_certificate
+
+    tls = TlsConfig(cert=str(tmp_path / "c" / "cert.pem"), key=str(tmp_path / "k" / "key.pem"))
+    assert ensure_certificate(tls, host) and not ensure_certificate(tls, host)
+    cert = x509.load_pem_x509_certificate(Path(tls.cert).read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    found = {f"DNS:{name}" for name in names.get_values_for_type(x509.DNSName)}
+    found |= {f"IP:{address}" for address in names.get_values_for_type(x509.IPAddress)}
+    assert found == expected
