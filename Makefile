@@ -34,7 +34,7 @@ test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets
 	$(BIN)/python -m pytest -q
 
 fuzz: setup  ## the property tests of every parser a remote party feeds, with many more examples
-	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_fuzz_*.py -p no:cacheprovider
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_fuzz_*.py -p no:cacheprovider --timeout=900
 
 bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it can
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'

@@ -14,7 +14,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.fuzz_strategies import json_values, mutated, nested, peak_bytes, splits, wire_sample
-from transports.sse import MalformedEvent, event_data, find_usage, scan_first_token
+from transports.sse import (
+    MalformedEvent,
+    event_data,
+    find_usage,
+    finished_choices,
+    scan_first_token,
+    stream_incomplete,
+)
 
 STREAM = wire_sample(
     "vllm-chat-stream.txt",
@@ -135,3 +142,35 @@ def test_scanning_one_huge_event_allocates_about_its_size() -> None:
     result, peak = peak_bytes(lambda: scan_first_token(data))
     assert result == (True, len(data))
     assert peak < 6 * len(data)
+
+
+# -- end of stream: was the answer whole? ------------------------------------------------------------
+
+
+@given(sse_bytes)
+@example(_event({"choices": 5, "finish_reason": "stop"}))  # found by fuzzing: TypeError from _finished
+@example(b"data: " + nested(100_000) + b' "finish_reason"\n\n')  # found by fuzzing: RecursionError
+@example(_event({"choices": [{"finish_reason": "stop", "index": True}, {"finish_reason": 0, "index": -3}]}))
+def test_finished_choices_is_a_set_of_indices(buf: bytes) -> None:
+    done = finished_choices(buf)
+    assert all(isinstance(i, int) for i in done)
+    assert len(done) <= buf.count(b"finish_reason")
+
+
+@given(sse_bytes, st.integers(1, 2**40), st.frozensets(st.integers(-2, 2**40), max_size=5))
+@example(_event({"choices": 5}), 1, frozenset())  # found by fuzzing: TypeError from _finished
+@example(b"data: " + nested(100_000) + b"\n\n", 1, frozenset())  # found by fuzzing: RecursionError
+@example(_event({"choices": []}), 10**12, frozenset())  # found by fuzzing: listed every missing choice of n
+def test_stream_incomplete_says_why_or_none(tail: bytes, choices: int, finished: frozenset[int]) -> None:
+    why = stream_incomplete(tail, choices, finished)
+    assert why is None or (isinstance(why, str) and len(why) < 300)
+    if tail.rstrip(b"\r\n").endswith(b"\ndata: [DONE]") and tail.endswith((b"\n\n", b"\r\n\r\n")):
+        assert why is None
+
+
+@given(sse_bytes.flatmap(lambda buf: st.tuples(st.just(buf), splits(buf, max_parts=1))))
+def test_stream_incomplete_ending_on_done_is_whole_whatever_came_before(
+    buf_pieces: tuple[bytes, list[bytes]],
+) -> None:
+    _, (head, *_) = buf_pieces
+    assert stream_incomplete(head + b"\n\ndata: [DONE]\n\n") is None

@@ -8,6 +8,7 @@ or a finish reason for every choice). Pure functions over bytes, testable alone.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -135,7 +136,7 @@ def finished_choices(buf: bytes) -> set[int]:
             continue
         try:
             payload = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(payload, dict):
             done.update(_finished(payload))
@@ -144,7 +145,8 @@ def finished_choices(buf: bytes) -> set[int]:
 
 def _finished(payload: dict[str, Any]) -> list[int]:
     out = []
-    for choice in payload.get("choices") or ():
+    choices = payload.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict) and choice.get("finish_reason") is not None:
             index = choice.get("index", 0)
             out.append(index if isinstance(index, int) else 0)
@@ -180,7 +182,7 @@ def stream_incomplete(
             continue  # no data field: not SSE an SDK could use (an HTML error page, say)
         try:
             payload = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(payload, dict) or "error" in payload:
             continue
@@ -188,7 +190,7 @@ def stream_incomplete(
         done.update(_finished(payload))
     if not last_ok:
         return "the stream ended on an event that is not a chunk of the answer"
-    missing = [i for i in range(choices) if i not in done]
+    missing = list(itertools.islice((i for i in range(choices) if i not in done), 8))  # n: the client's
     if missing:
         which = "its choice" if choices == 1 else f"choice(s) {', '.join(map(str, missing[:8]))}"
         return f"the stream ended without data: [DONE] and without a finish_reason for {which}"
