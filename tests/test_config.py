@@ -80,7 +80,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
         ),
         (
             "pods:\n  - {name: a, url: 'ftp://x:1'}\n  - {name: a, url: 'http://y:1'}\n",
-            "'pods.0.url': must be an http:// or https:// URL",
+            "http://10.0.0.5:8000; 'pods.1.name': pod name 'a' is used twice",  # with pods.0.url's problem
         ),
     ],
 )
