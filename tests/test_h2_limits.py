@@ -60,11 +60,11 @@ def test_rapid_reset_gets_goaway_enhance_your_calm(target: Target) -> None:
     assert all(r.goaway_code == CALM and r.closed for r in reports)
     assert all(r.sent < 20_000 for r in reports)  # each saw the GOAWAY long before its attack's end
     # the GOAWAY's last stream: what h2 had parsed by then (~100 streams, plus the rest of that read)
-    assert all(r.goaway_last_stream is not None and r.goaway_last_stream < 2 * 2000 for r in reports)
+    assert all(r.goaway_last_stream is not None and r.goaway_last_stream < 2 * 1000 for r in reports)
     check_steady(target, steady, arrivals, extra=5 * len(reports))
     assert target.rss_mb() - rss < 40
-    # each connection is cut off within ~100 streams; on one core the attacker could use it all
-    assert target.cpu_s() - cpu < 1.5
+    # each connection costs ~15-25 ms of CPU (~0.9 s for 20,000 streams on one, unchecked)
+    assert (target.cpu_s() - cpu) / len(reports) < 0.15
 
 
 @pytest.mark.parametrize("flood", ["ping", "settings"])

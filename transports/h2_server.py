@@ -59,6 +59,7 @@ logger = logging.getLogger("sluicegate.transports")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FLUSH_AT = 64 * 1024  # write at once, not at the end of the loop turn, past this many unwritten bytes
+READ_SLICE = 16 * 1024  # bytes handed to h2 at a time (see ``data_received``)
 LINGER_S = 1.0  # after a GOAWAY for an error: how long what the client still sends is read and dropped
 _DEFAULT_WINDOW = 65_535
 _DATA_FRAME_HEADER = struct.Struct(">HBBBL")  # 24-bit length (16 + 8), type 0 (DATA), flags 0, stream
@@ -171,6 +172,19 @@ class H2Protocol(asyncio.Protocol):
             return
         if not transport.get_write_buffer_size():
             self.guard.drained()
+        if len(data) <= READ_SLICE:
+            self._receive(data)
+        else:
+            # h2 parses all it is given before returning a single event: in slices, a flood is
+            # cut off after at most one slice more than its allowance, not a whole 256 KB read
+            view = memoryview(data)
+            for start in range(0, len(data), READ_SLICE):
+                if not self._receive(view[start : start + READ_SLICE]):
+                    return
+        self._flush()
+
+    def _receive(self, data: bytes | memoryview) -> bool:
+        """Feed h2 and handle its events; False once the connection has been cut off."""
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
@@ -178,15 +192,15 @@ class H2Protocol(asyncio.Protocol):
             # bomb, PROTOCOL_ERROR for a CONTINUATION flood past h2's 64 frames): send it, hang up.
             logger.info("HTTP/2 protocol error from %s: %s", self.client, exc)
             self._hang_up()
-            return
+            return False
         handlers = self._handlers
         for event in events:
             handler = handlers.get(type(event))
             if handler is not None:
                 handler(event)
                 if self.cut_off:
-                    return  # (``_calm``): the rest of what it sent is not worth reading
-        self._flush()
+                    return False  # (``_calm``): the rest of what it sent is not worth reading
+        return True
 
     def eof_received(self) -> bool | None:
         self._lose_all()
