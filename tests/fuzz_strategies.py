@@ -1,9 +1,10 @@
 """Shared pieces of the property tests (tests/test_fuzz_*.py): Hypothesis profiles and strategies.
 
-Importing this module registers two profiles and loads one: ``ci`` (the default, bounded so that the
-fuzz tests stay a few seconds of ``make test``) or ``fuzz`` (``HYPOTHESIS_PROFILE=fuzz``, what
-``make fuzz`` runs: many more examples per property). Deadlines are off in both: the machine is
-shared, and a slow example is not a failure; hangs are caught by pytest-timeout.
+Importing this module registers two profiles and loads one: ``ci`` (the default, bounded and
+derandomized so that the fuzz tests stay a few seconds of ``make test`` and never flake) or ``fuzz``
+(``HYPOTHESIS_PROFILE=fuzz``, what ``make fuzz`` runs: many more, fresh examples per property).
+Deadlines are off in both: the machine is shared, and a slow example is not a failure; hangs are
+caught by pytest-timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=_QUIET)
+# ci: the same examples on every run (a red `make test` is never a dice roll) and no example database;
+# fuzz: fresh random examples each run, failures kept in .hypothesis/ and replayed first next time.
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=_QUIET
+)
 settings.register_profile("fuzz", max_examples=5000, deadline=None, suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

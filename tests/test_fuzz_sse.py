@@ -161,10 +161,11 @@ def test_finished_choices_is_a_set_of_indices(buf: bytes) -> None:
 @example(_event({"choices": 5}), 1, frozenset())  # found by fuzzing: TypeError from _finished
 @example(b"data: " + nested(100_000) + b"\n\n", 1, frozenset())  # found by fuzzing: RecursionError
 @example(_event({"choices": []}), 10**12, frozenset())  # found by fuzzing: listed every missing choice of n
+@example(b"data:\x00\ndata: [DONE]\n\n", 1, frozenset())  # one event whose data is not [DONE]
 def test_stream_incomplete_says_why_or_none(tail: bytes, choices: int, finished: frozenset[int]) -> None:
     why = stream_incomplete(tail, choices, finished)
     assert why is None or (isinstance(why, str) and len(why) < 300)
-    if tail.rstrip(b"\r\n").endswith(b"\ndata: [DONE]") and tail.endswith((b"\n\n", b"\r\n\r\n")):
+    if tail.endswith(b"\n\ndata: [DONE]\n\n") or tail == b"data: [DONE]\n\n":  # [DONE] as its own event
         assert why is None
 
 
