@@ -5,66 +5,63 @@ Python (response wrappers, middleware send-wrappers, queues) costs a measurable 
 Once the first token is out, the pod's bytes are spliced to the client's socket from the pod
 connection's parser callback (see ``transports/pod_client.py``), untouched.
 
-Phases, in order, each a small method below: admit → pick → connect → await first token → relay →
-finish. One ``Exchange`` object carries what each phase learned. Response status and headers are
-held until the pod's first token has arrived, so any failure before that is still answered with a
-proper status code.
+Phases, in order: admit → pick → connect → await first token → relay → finish. ``Relay.__call__``
+and ``_serve``/``_attempt`` read as that list, with each phase's failure hook beside it; the phases
+that are more than a few lines live in their own modules:
+
+- ``gateway/exchange.py``: the ``Exchange`` that carries what each phase learned;
+- ``gateway/disconnect_watch.py``: the client leaving, noticed at once, ends the pod's work;
+- ``gateway/pod_errors.py``: a pod's non-200 answer as the client's error;
+- ``gateway/stream_relay.py``: hold until the first token, splice, the completeness verdict,
+  resume on another pod;
+- ``gateway/whole_answer.py``: a non-streaming answer (and a degraded one re-sent as SSE).
+
+Response status and headers are held until the pod's first token has arrived, so any failure before
+that is still answered with a proper status code.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
 from gateway.affinity import affinity_key
-from gateway.completeness import FinishWatch, choices_of, incomplete
 from gateway.config import Config
-from gateway.deadlines import Budget, TimeoutPolicy, timed_out
-from gateway.degrade import as_sse, non_streaming_body
-from gateway.errors import (
-    GatewayError,
-    model_not_found,
-    no_capacity,
-    overloaded,
-    upstream_failed,
-    upstream_truncated,
-)
+from gateway.deadlines import TimeoutPolicy
+from gateway.degrade import non_streaming_body
+from gateway.disconnect_watch import DisconnectWatch
+from gateway.errors import GatewayError, model_not_found, no_capacity, overloaded, upstream_failed
+from gateway.exchange import Exchange, Receive, Scope, Send, transport_of
 from gateway.metrics import GatewayMetrics
+from gateway.pod_errors import pod_error
+from gateway.pod_errors import reason as _reason
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.request_limits import enforce as enforce_limits
 from gateway.request_limits import limits_by_tier
-from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
 from gateway.retries import Retryable, RetryBudget, backoff_s
-from transports import sse
-from transports.client_socket import client_socket
-from transports.h1_disconnect import client_socket_of, trip_on_disconnect
-from transports.hangups import HangupWatcher, Pairing
+from gateway.stream_relay import StreamRelay
+from gateway.whole_answer import relay_whole
+from transports.hangups import HangupWatcher
 from transports.pod_client import (
     PodBrokenError,
     PodClient,
     PodConnectError,
     PodConnectTimeout,
-    PodLineTooLong,
     PodResponse,
-    PodStalledError,
-    StallWatch,
 )
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+# Re-exported: the app and the gRPC-Web endpoint import the ASGI types from here.
+__all__ = ["DisconnectWatch", "Exchange", "Receive", "Relay", "Scope", "Send", "transport_of"]
 
 access_log = logging.getLogger("sluicegate.access")
 log = logging.getLogger("sluicegate.relay")
 
 ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _JSON = b"application/json"
-_SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 
 _CRITICALITY_RANK = {"sheddable": 0, "standard": 1, "critical": 2}
 
@@ -104,152 +101,6 @@ def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple
     return out
 
 
-class DisconnectWatch:
-    """Closes the pod answer and cancels the request's task the moment the client goes away.
-
-    uvicorn reports a disconnect only through ``receive()``, and a ``send()`` to a closed
-    connection silently does nothing; without this watch a stream whose client left would keep
-    the pod generating until its natural end. Under uvicorn's HTTP/1.1 a tripwire calls back from
-    the protocol's own I/O callback, and the hang-up watcher's thread shuts the pod socket down even
-    before that; under any other server a task awaits ``receive()``.
-    """
-
-    __slots__ = ("_hangups", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone")
-
-    def __init__(self, receive: Receive, hangups: HangupWatcher | None) -> None:
-        self.gone = False
-        self.finished = False
-        self._upstream: PodResponse | None = None
-        self._task = asyncio.current_task()
-        self._watcher: asyncio.Future[None] | None = None
-        self._hangups = hangups
-        self._pairing: Pairing | None = None
-        self._tripwire = trip_on_disconnect(receive, self._client_gone)
-        if self._tripwire is None:
-            self._watcher = asyncio.ensure_future(self._watch(receive))
-        elif hangups is not None and not self.gone:
-            client = client_socket_of(receive)
-            if client is not None:
-                self._pairing = hangups.pair(client)
-
-    @property
-    def upstream(self) -> PodResponse | None:
-        """The pod answer in progress, closed the moment the client leaves. Set it to None before
-        the answer's connection goes back to the pool."""
-        return self._upstream
-
-    @upstream.setter
-    def upstream(self, resp: PodResponse | None) -> None:
-        self._upstream = resp
-        if self._pairing is not None:
-            assert self._hangups is not None
-            self._hangups.set_upstream(self._pairing, resp.socket if resp is not None else None)
-
-    def _client_gone(self) -> None:
-        if not self.finished and self._task is not None:
-            self.gone = True
-            if self._upstream is not None:
-                self._upstream.close()
-            self._task.cancel()
-
-    async def _watch(self, receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self._client_gone()
-                return
-
-    def close(self) -> None:
-        if self._tripwire is not None:
-            self._tripwire.disarm()
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._pairing is not None:
-            assert self._hangups is not None
-            self._hangups.unpair(self._pairing)
-            self._pairing = None
-
-
-class Exchange:
-    """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
-
-    __slots__ = (
-        "affinity",
-        "alt_svc",
-        "attempts",
-        "budget",
-        "chunks",
-        "criticality",
-        "cut",
-        "deadline",
-        "degraded",
-        "detail",
-        "first_token_at",
-        "headers",
-        "held",
-        "model_label",
-        "pod",
-        "req",
-        "resumes",
-        "rid",
-        "route",
-        "send",
-        "started",
-        "status",
-        "t0",
-        "tier",
-        "transport",
-        "tried",
-        "ttft",
-        "watch",
-    )
-
-    def __init__(self, route: str, rid: str, send: Send, transport: str = "h1") -> None:
-        self.route = route
-        self.transport = transport
-        self.alt_svc: bytes | None = None  # the Alt-Svc value to send, over TCP when HTTP/3 is offered
-        self.rid = rid
-        self.send = send
-        self.started = time.perf_counter()
-        self.t0 = asyncio.get_running_loop().time()  # deadlines are on the loop's clock
-        self.budget: Budget | None = None
-        self.tier: str | None = None
-        self.criticality = "standard"
-        self.affinity: str | None = None  # the request's affinity key, when affinity is configured
-        self.degraded: bool | None = None  # served without streaming: whether a usage chunk is wanted
-        self.deadline = self.first_token_at = 0.0
-        self.req: InferenceRequest | None = None
-        self.model_label = "unknown"  # a metric label: only models some pod serves
-        self.pod: Pod | None = None
-        self.watch: DisconnectWatch | None = None
-        self.status = 0  # 0 until the status line has been sent
-        self.ttft: float | None = None
-        self.chunks = 0
-        self.detail = "ok"
-        self.cut: GatewayError | None = None  # set when the gateway itself ends the request
-        self.attempts: list[str] = []  # one outcome per pod tried
-        self.tried: list[Pod] = []
-        self.resumes = 0
-        self.held: list[tuple[Pod, PodResponse]] = []  # continuation pods and their answers
-        self.headers: list[tuple[bytes, bytes]] = []
-
-    def set_budget(self, budget: Budget) -> None:
-        self.budget = budget
-        self.deadline = self.t0 + budget.total_s
-        self.first_token_at = self.t0 + budget.first_token_s
-
-    def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        assert self.pod is not None
-        headers = [
-            (b"content-type", content_type),
-            (b"x-request-id", self.rid.encode()),
-            (b"x-sluicegate-pod", self.pod.name.encode()),
-        ]
-        if self.alt_svc is not None:
-            headers.append((b"alt-svc", self.alt_svc))
-        return headers
-
-
 class Relay:
     """Serves ``/v1/chat/completions`` and ``/v1/completions`` against the pod registry."""
 
@@ -278,6 +129,7 @@ class Relay:
         self._criticality_header = config.shedding.criticality_header.encode()
         self._limits = limits_by_tier(config)
         self._default_criticality = config.shedding.default_criticality
+        self.stream = StreamRelay(config, registry, metrics, self._connect)
 
     def _gauge(self, pod: Pod) -> Any:
         return self.metrics.child(self.metrics.in_flight, pod.name)
@@ -467,10 +319,7 @@ class Relay:
                 await self._end_cut(ex)
         finally:
             watch.close()
-            for held_pod, held_resp in ex.held:
-                held_resp.release()
-                held_pod.in_flight -= 1
-                self._gauge(held_pod).dec()
+            self.stream.release_held(ex)
 
     def _retry_pod(self, ex: Exchange, req: InferenceRequest, tried: list[Pod], failure: Retryable) -> Pod:
         """Another pod for a retry, or the failure's own error when a retry is not allowed."""
@@ -510,24 +359,26 @@ class Relay:
                     assert ex.watch is not None
                     ex.watch.upstream = resp
                     if resp.status != 200:
-                        error = await self._pod_error(pod, resp)
+                        self.metrics.upstream_errors.labels(pod.name, "status").inc()
+                        max_bytes = self.config.upstream.max_error_body_bytes
+                        error = await pod_error(pod.name, resp, max_bytes)
                         if resp.status in (502, 503):
                             raise Retryable(error, f"status_{resp.status}")
                         raise error
                     content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
                     streaming = req.stream and content_type.startswith(b"text/event-stream")
                     if streaming:
-                        head = await self._await_first_token(pod, resp)
+                        head = await self.stream.first_token(pod, resp)
             except TimeoutError:
                 if first_token_at < ex.deadline:
-                    raise Retryable(self._timeout(ex, "first_token"), "first_token_timeout") from None
-                raise self._timeout(ex, "total") from None
+                    raise Retryable(ex.timeout("first_token", self.metrics), "first_token_timeout") from None
+                raise ex.timeout("total", self.metrics) from None
             self.registry.report_success(pod)
             reported = True
             if streaming:
-                await self._relay_stream(ex, pod, resp, content_type, head)
+                await self.stream.relay(ex, pod, resp, content_type, head)
             else:
-                await self._relay_whole(ex, pod, resp, content_type)
+                await relay_whole(ex, pod, resp, content_type, self.metrics)
         except Retryable as failure:
             self.registry.report_failure(pod, failure.outcome)
             reported = True
@@ -568,7 +419,7 @@ class Relay:
             # (as a Retryable), but only a refusal says the pod is gone.
             self.metrics.upstream_errors.labels(pod.name, "connect").inc()
             pod.last_error = "connect timed out"
-            raise Retryable(self._timeout(ex, "connect"), "connect_timeout") from None
+            raise Retryable(ex.timeout("connect", self.metrics), "connect_timeout") from None
         except PodConnectError as exc:
             self.metrics.upstream_errors.labels(pod.name, "connect").inc()
             # Stop sending it new work; discovery asks it again within retry_interval_s.
@@ -581,264 +432,6 @@ class Relay:
             error = upstream_failed(pod.name, f"connection failed ({_reason(exc)}).")
             raise Retryable(error, "reset") from None
 
-    async def _pod_error(self, pod: Pod, resp: PodResponse) -> GatewayError:
-        """Turn a pod's non-200 answer into the client's: OpenAI error bodies pass through as is."""
-        self.metrics.upstream_errors.labels(pod.name, "status").inc()
-        try:
-            raw = await resp.read_all(self.config.upstream.max_error_body_bytes)
-        except PodBrokenError:
-            raw = b""
-        retry_after = resp.headers.get("retry-after")
-        extra = (("retry-after", retry_after),) if retry_after else ()
-        try:
-            payload = json.loads(raw)
-        except ValueError:
-            payload = None
-        if isinstance(payload, dict):
-            err = payload.get("error")
-            if isinstance(err, dict) and isinstance(err.get("message"), str):
-                return GatewayError(resp.status, err["message"], headers=extra, raw_body=raw)
-            if payload.get("object") == "error" and isinstance(payload.get("message"), str):
-                # vLLM before 0.10.1 answered with a flat error object; give clients the nested one.
-                return GatewayError(
-                    resp.status,
-                    payload["message"],
-                    str(payload.get("type") or "upstream_error"),
-                    payload.get("code"),
-                    payload.get("param"),
-                    extra,
-                )
-        status = resp.status if resp.status < 500 or resp.status in (502, 503, 504) else 502
-        return GatewayError(
-            status,
-            f"Upstream pod '{pod.name}' answered HTTP {resp.status} without an error body.",
-            "upstream_error",
-            "bad_gateway" if status == 502 else f"upstream_{resp.status}",
-            None,
-            extra,
-        )
-
-    async def _await_first_token(self, pod: Pod, resp: PodResponse) -> bytes:
-        """Everything the pod sent up to and including the first event a client would see.
-
-        At most ``upstream.max_event_bytes`` of it, and no line longer than that (also enforced
-        by the pod response for the rest of the stream): a pod cannot grow the gateway's memory.
-        """
-        cap = resp.max_line = self.config.upstream.max_event_bytes
-        head = b""
-        pos = 0
-        try:
-            while chunk := await resp.read():
-                head += chunk
-                found, pos = sse.scan_first_token(head, pos)
-                if found:
-                    return head
-                if len(head) > cap:
-                    raise sse.MalformedEvent(f"more than {cap} bytes and no token")
-        except (sse.MalformedEvent, PodLineTooLong) as exc:
-            resp.close()
-            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
-            raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
-        except PodBrokenError as exc:
-            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
-            detail = f"broke the stream before the first token ({_reason(exc)})."
-            raise Retryable(upstream_failed(pod.name, detail), "reset") from None
-        if not head:
-            raise upstream_failed(pod.name, "closed the stream before sending anything.")
-        return head  # the stream ended without a token (e.g. only a role chunk): pass it on
-
-    async def _relay_stream(
-        self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes, head: bytes
-    ) -> None:
-        send = ex.send
-        req = ex.req
-        assert req is not None and ex.budget is not None and ex.watch is not None
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
-            }
-        )
-        ex.status = 200
-        ex.ttft = time.perf_counter() - ex.started
-        recorder = Recorder() if self.config.resume.enabled_for(req.model) else None
-        first = recorder.filter(head) if recorder is not None else head
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        choices = choices_of(req.payload)
-        finish = FinishWatch() if choices > 1 else None
-        if finish is not None:
-            finish.feed(head)
-
-        # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
-        # continue on another pod when this stream may be resumed
-        while True:
-            err, broke = await self._pump(ex, pod, resp, recorder, choices, finish)
-            ex.chunks += resp.chunks
-            if err is None or not broke or recorder is None:
-                break
-            resumed = await self._resume(ex, req, recorder, err)
-            if resumed is None:
-                break
-            err = None
-            pod, resp = resumed
-        if err is not None:
-            event = err.sse_event()
-            if recorder is None and not sse.ends_event(resp.last):
-                event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        elif resp.complete:
-            self._count_tokens(ex, sse.find_usage(resp.previous + resp.last))
-        ex.watch.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _pump(
-        self,
-        ex: Exchange,
-        pod: Pod,
-        resp: PodResponse,
-        recorder: Recorder | None,
-        choices: int = 1,
-        finish: FinishWatch | None = None,
-    ) -> tuple[GatewayError | None, bool]:
-        """Relay one pod's answer to its end; returns (the error that ended it, whether it broke).
-
-        A stream that ends cleanly but not whole (see ``gateway/completeness.py``) is a break too.
-        """
-        assert ex.budget is not None
-        send = ex.send
-        stall = StallWatch(resp, ex.budget.stall_s)
-        try:
-            async with asyncio.timeout_at(ex.deadline):
-                socket = client_socket(send)
-                if socket is not None:
-                    write = socket.writer(resp)
-                    sink = write if recorder is None else _recording(recorder, write, resp)
-                    resp.splice(sink if finish is None else finish.wrap(sink))
-                    await resp.done
-                else:
-                    while chunk := await resp.read():
-                        if finish is not None:
-                            finish.feed(chunk)
-                        if recorder is not None:
-                            chunk = recorder.filter(chunk)
-                            if recorder.broken:
-                                resp.close(PodBrokenError("the pod reported an error mid-stream"))
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            why = incomplete(resp, choices, finish)
-            if why is None:
-                return None, False
-            resp.close()  # a pod that ends answers short gets no keep-alive reuse
-            self.metrics.upstream_errors.labels(pod.name, "truncated").inc()
-            self.registry.report_failure(pod, "truncated stream")
-            ex.detail = "upstream_truncated"
-            return upstream_truncated(pod.name, f"{why}."), True
-        except TimeoutError:
-            resp.close()
-            return self._timeout(ex, "total"), False
-        except PodStalledError:
-            self.registry.report_failure(pod, "stalled mid-stream")
-            return self._timeout(ex, "stall"), True
-        except PodLineTooLong as exc:
-            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
-            self.registry.report_failure(pod, "oversized event")
-            ex.detail = "upstream_truncated"
-            return upstream_truncated(pod.name, f"sent an oversized event ({_reason(exc)})."), True
-        except PodBrokenError as exc:
-            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
-            self.registry.report_failure(pod, "broke mid-stream")
-            ex.detail = "upstream_broke_mid_stream"
-            return upstream_truncated(pod.name, f"broke the stream mid-answer ({_reason(exc)})."), True
-        finally:
-            stall.cancel()
-
-    def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
-        """Count a continuation pod as busy until the request ends."""
-        pod.in_flight += 1
-        self._gauge(pod).inc()
-        ex.held.append((pod, resp))
-
-    async def _resume(
-        self, ex: Exchange, req: InferenceRequest, recorder: Recorder, err: GatewayError
-    ) -> tuple[Pod, PodResponse] | None:
-        """Continue the answer on another pod; None (and a counted outcome) when it cannot be."""
-        why = unsupported_reason(req.route, req.payload)
-        if why is not None:
-            self.metrics.stream_resumes.labels("unsupported").inc()
-            err.message += f" The stream cannot be resumed on another pod ({why})."
-            return None
-        assert ex.budget is not None
-        loop = asyncio.get_running_loop()
-        while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
-            done = Transcript.read(bytes(recorder.sent))
-            pod = self.registry.pick(req.model, exclude=tuple(ex.tried), criticality=ex.criticality)
-            if pod is None:
-                break
-            ex.resumes += 1
-            ex.tried.append(pod)
-            body = continuation_body(req.route, req.payload, done)
-            cont = InferenceRequest(req.route, req.model, True, body, req.payload)
-            resp: PodResponse | None = None
-            try:
-                async with asyncio.timeout_at(min(loop.time() + ex.budget.first_token_s, ex.deadline)):
-                    resp = await self._connect(ex, cont, pod, ex.headers)
-                    assert ex.watch is not None
-                    ex.watch.upstream = resp
-                    if resp.status != 200:
-                        raise upstream_failed(pod.name, f"answered HTTP {resp.status}")
-                    head = await self._await_first_token(pod, resp)
-            except (Retryable, GatewayError, TimeoutError):
-                if resp is not None:
-                    resp.close()
-                continue
-            self._hold(ex, pod, resp)
-            recorder.broken = False
-            recorder.tail = b""
-            recorder.splicer = Splicer(created=done.created, tokens_before=done.tokens)
-            out = recorder.filter(recorder.splicer.head(head))
-            await ex.send({"type": "http.response.body", "body": out, "more_body": True})
-            self.metrics.stream_resumes.labels("ok").inc()
-            ex.pod = pod
-            ex.detail = "resumed"
-            return pod, resp
-        self.metrics.stream_resumes.labels("failed").inc()
-        err.message += " No other pod could continue the stream."
-        return None
-
-    async def _relay_whole(self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes) -> None:
-        try:
-            async with asyncio.timeout_at(ex.deadline):
-                body = await resp.read_all()
-        except TimeoutError:
-            raise self._timeout(ex, "total") from None
-        except PodBrokenError as exc:
-            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
-            raise upstream_failed(pod.name, f"broke the answer ({_reason(exc)}).") from None
-        try:
-            answer = json.loads(body)
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):  # cut short, or not an answer at all: never passed on
-            self.metrics.upstream_errors.labels(pod.name, "truncated").inc()
-            detail = f"sent an answer that is not a JSON object ({len(body)} bytes, {content_type.decode()})."
-            raise upstream_truncated(pod.name, detail)
-        self._count_tokens(ex, answer.get("usage"))
-        if ex.degraded is not None:
-            try:
-                body = as_sse(body, ex.degraded)
-            except ValueError as exc:
-                raise upstream_failed(pod.name, f"sent an unreadable answer ({_reason(exc)}).") from None
-            content_type = b"text/event-stream"
-        assert ex.watch is not None
-        ex.watch.finished = True
-        ex.status = 200
-        headers = ex.response_headers(content_type)
-        if ex.degraded is not None:
-            headers.append((b"x-sluicegate-degraded", b"non-streaming"))
-        headers.append((b"content-length", str(len(body)).encode()))
-        await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
-        await ex.send({"type": "http.response.body", "body": body, "more_body": False})
-
     async def _end_cut(self, ex: Exchange) -> None:
         """The gateway ended this request (drain deadline): say so in the client's protocol."""
         assert ex.cut is not None
@@ -847,29 +440,7 @@ class Relay:
             raise ex.cut
         await ex.send({"type": "http.response.body", "body": ex.cut.sse_event(), "more_body": False})
 
-    def _timeout(self, ex: Exchange, stage: str) -> GatewayError:
-        """The error for an expired stage; counted here when it ends a stream already under way."""
-        assert ex.budget is not None
-        seconds = {
-            "connect": ex.budget.connect_s,
-            "first_token": ex.budget.first_token_s,
-            "stall": ex.budget.stall_s,
-            "total": ex.budget.total_s,
-        }[stage]
-        if ex.status:  # mid-stream: no status code left to carry it, so count it now
-            self.metrics.timeouts.labels(stage).inc()
-            ex.detail = f"timeout_{stage}"
-        return timed_out(stage, seconds)
-
     # -- finish --------------------------------------------------------------------------------
-
-    def _count_tokens(self, ex: Exchange, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        for kind in ("prompt", "completion"):
-            value = usage.get(f"{kind}_tokens")
-            if isinstance(value, int) and value > 0:
-                self.metrics.tokens.labels(ex.model_label, kind).inc(value)
 
     def _finish(self, ex: Exchange) -> None:
         elapsed = time.perf_counter() - ex.started
@@ -899,38 +470,6 @@ class Relay:
                 ",".join(ex.attempts) or "-",
                 ex.resumes,
             )
-
-
-_TRANSPORTS = {"1.1": "h1", "1.0": "h1", "2": "h2", "3": "h3"}
-
-
-def transport_of(scope: Scope) -> str:
-    """The client's transport, a metric label: a handler that translates another protocol (gRPC-Web)
-    names itself in ``scope["sluicegate.transport"]``; otherwise the HTTP version."""
-    named = scope.get("sluicegate.transport")
-    if named is not None:
-        return str(named)
-    return _TRANSPORTS.get(scope.get("http_version", "1.1"), "h1")
-
-
-def _recording(
-    recorder: Recorder, write: Callable[[bytes], None], resp: PodResponse
-) -> Callable[[bytes], None]:
-    """A splice sink that records what it passes and ends the answer at a pod's error event."""
-
-    def sink(body: bytes) -> None:
-        out = recorder.filter(body)
-        if out:
-            write(out)
-        if recorder.broken:
-            resp.close(PodBrokenError("the pod reported an error mid-stream"))
-
-    return sink
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) < 200 else text[:200] + "..."
 
 
 async def _send_error(send: Send, err: GatewayError, rid: str, alt_svc: bytes | None = None) -> None:

@@ -1,0 +1,84 @@
+"""Learning at once that the client of a request left, and stopping the pod's work for it.
+
+uvicorn reports a disconnect only through ``receive()``, and a ``send()`` to a closed connection
+silently does nothing; without a watch a stream whose client left would keep the pod generating
+until its natural end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from transports.h1_disconnect import client_socket_of, trip_on_disconnect
+from transports.hangups import HangupWatcher, Pairing
+from transports.pod_client import PodResponse
+
+if TYPE_CHECKING:
+    from gateway.exchange import Receive
+
+
+class DisconnectWatch:
+    """Closes the pod answer and cancels the request's task the moment the client goes away.
+
+    uvicorn reports a disconnect only through ``receive()``, and a ``send()`` to a closed
+    connection silently does nothing; without this watch a stream whose client left would keep
+    the pod generating until its natural end. Under uvicorn's HTTP/1.1 a tripwire calls back from
+    the protocol's own I/O callback, and the hang-up watcher's thread shuts the pod socket down even
+    before that; under any other server a task awaits ``receive()``.
+    """
+
+    __slots__ = ("_hangups", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone")
+
+    def __init__(self, receive: Receive, hangups: HangupWatcher | None) -> None:
+        self.gone = False
+        self.finished = False
+        self._upstream: PodResponse | None = None
+        self._task = asyncio.current_task()
+        self._watcher: asyncio.Future[None] | None = None
+        self._hangups = hangups
+        self._pairing: Pairing | None = None
+        self._tripwire = trip_on_disconnect(receive, self._client_gone)
+        if self._tripwire is None:
+            self._watcher = asyncio.ensure_future(self._watch(receive))
+        elif hangups is not None and not self.gone:
+            client = client_socket_of(receive)
+            if client is not None:
+                self._pairing = hangups.pair(client)
+
+    @property
+    def upstream(self) -> PodResponse | None:
+        """The pod answer in progress, closed the moment the client leaves. Set it to None before
+        the answer's connection goes back to the pool."""
+        return self._upstream
+
+    @upstream.setter
+    def upstream(self, resp: PodResponse | None) -> None:
+        self._upstream = resp
+        if self._pairing is not None:
+            assert self._hangups is not None
+            self._hangups.set_upstream(self._pairing, resp.socket if resp is not None else None)
+
+    def _client_gone(self) -> None:
+        if not self.finished and self._task is not None:
+            self.gone = True
+            if self._upstream is not None:
+                self._upstream.close()
+            self._task.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._client_gone()
+                return
+
+    def close(self) -> None:
+        if self._tripwire is not None:
+            self._tripwire.disarm()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._pairing is not None:
+            assert self._hangups is not None
+            self._hangups.unpair(self._pairing)
+            self._pairing = None

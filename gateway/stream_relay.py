@@ -1,0 +1,262 @@
+"""The streaming relay: hold the status until the first token, pass the pod's bytes through, judge
+the end, and continue on another pod when a stream breaks.
+
+Once the first token is out, the pod's bytes are spliced to the client's socket from the pod
+connection's parser callback (see ``transports/pod_client.py``), untouched; under any other server
+or protocol each pod read is one ASGI ``send``. Nothing here runs per token except the splice sink
+(and, when the stream may be resumed or has several choices, the recorder and finish watch it
+wraps), so keep it that way: no per-chunk awaits, wrappers or allocations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from gateway.admit import InferenceRequest
+from gateway.completeness import FinishWatch, choices_of, incomplete
+from gateway.config import Config
+from gateway.errors import GatewayError, upstream_failed, upstream_truncated
+from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.pod_errors import reason
+from gateway.pods.registry import Pod, PodRegistry
+from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
+from gateway.retries import Retryable
+from transports import sse
+from transports.client_socket import client_socket
+from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
+
+_SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+
+Connect = Callable[[Exchange, InferenceRequest, Pod, list[tuple[bytes, bytes]]], Awaitable[PodResponse]]
+
+
+class StreamRelay:
+    """Relays one streaming answer (``text/event-stream``) from the first token to its end.
+
+    ``connect`` sends a request to a pod (the relay's connect phase), for continuations.
+    """
+
+    def __init__(
+        self, config: Config, registry: PodRegistry, metrics: GatewayMetrics, connect: Connect
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self._connect = connect
+
+    async def first_token(self, pod: Pod, resp: PodResponse) -> bytes:
+        """Everything the pod sent up to and including the first event a client would see.
+
+        At most ``upstream.max_event_bytes`` of it, and no line longer than that (also enforced
+        by the pod response for the rest of the stream): a pod cannot grow the gateway's memory.
+        """
+        cap = resp.max_line = self.config.upstream.max_event_bytes
+        head = b""
+        pos = 0
+        try:
+            while chunk := await resp.read():
+                head += chunk
+                found, pos = sse.scan_first_token(head, pos)
+                if found:
+                    return head
+                if len(head) > cap:
+                    raise sse.MalformedEvent(f"more than {cap} bytes and no token")
+        except (sse.MalformedEvent, PodLineTooLong) as exc:
+            resp.close()
+            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
+            raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
+        except PodBrokenError as exc:
+            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+            detail = f"broke the stream before the first token ({reason(exc)})."
+            raise Retryable(upstream_failed(pod.name, detail), "reset") from None
+        if not head:
+            raise upstream_failed(pod.name, "closed the stream before sending anything.")
+        return head  # the stream ended without a token (e.g. only a role chunk): pass it on
+
+    async def relay(
+        self, ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes, head: bytes
+    ) -> None:
+        """The status and ``head`` (up to the first token), then the rest of the answer as it comes.
+
+        A stream that breaks ends with an SSE error event, after continuing on other pods while
+        that is allowed; the status line is long gone by then, so the event is the only way to say it.
+        """
+        send = ex.send
+        req = ex.req
+        assert req is not None and ex.budget is not None and ex.watch is not None
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
+            }
+        )
+        ex.status = 200
+        ex.ttft = time.perf_counter() - ex.started
+        recorder = Recorder() if self.config.resume.enabled_for(req.model) else None
+        first = recorder.filter(head) if recorder is not None else head
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        choices = choices_of(req.payload)
+        finish = FinishWatch() if choices > 1 else None
+        if finish is not None:
+            finish.feed(head)
+
+        # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
+        # continue on another pod when this stream may be resumed
+        while True:
+            err, broke = await self._pump(ex, pod, resp, recorder, choices, finish)
+            ex.chunks += resp.chunks
+            if err is None or not broke or recorder is None:
+                break
+            resumed = await self._resume(ex, req, recorder, err)
+            if resumed is None:
+                break
+            err = None
+            pod, resp = resumed
+        if err is not None:
+            event = err.sse_event()
+            if recorder is None and not sse.ends_event(resp.last):
+                event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        elif resp.complete:
+            ex.count_tokens(self.metrics, sse.find_usage(resp.previous + resp.last))
+        ex.watch.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(
+        self,
+        ex: Exchange,
+        pod: Pod,
+        resp: PodResponse,
+        recorder: Recorder | None,
+        choices: int = 1,
+        finish: FinishWatch | None = None,
+    ) -> tuple[GatewayError | None, bool]:
+        """Relay one pod's answer to its end; returns (the error that ended it, whether it broke).
+
+        A stream that ends cleanly but not whole (see ``gateway/completeness.py``) is a break too.
+        """
+        assert ex.budget is not None
+        send = ex.send
+        stall = StallWatch(resp, ex.budget.stall_s)
+        try:
+            async with asyncio.timeout_at(ex.deadline):
+                socket = client_socket(send)
+                if socket is not None:
+                    write = socket.writer(resp)
+                    sink = write if recorder is None else _recording(recorder, write, resp)
+                    resp.splice(sink if finish is None else finish.wrap(sink))
+                    await resp.done
+                else:
+                    while chunk := await resp.read():
+                        if finish is not None:
+                            finish.feed(chunk)
+                        if recorder is not None:
+                            chunk = recorder.filter(chunk)
+                            if recorder.broken:
+                                resp.close(PodBrokenError("the pod reported an error mid-stream"))
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            why = incomplete(resp, choices, finish)
+            if why is None:
+                return None, False
+            resp.close()  # a pod that ends answers short gets no keep-alive reuse
+            self.metrics.upstream_errors.labels(pod.name, "truncated").inc()
+            self.registry.report_failure(pod, "truncated stream")
+            ex.detail = "upstream_truncated"
+            return upstream_truncated(pod.name, f"{why}."), True
+        except TimeoutError:
+            resp.close()
+            return ex.timeout("total", self.metrics), False
+        except PodStalledError:
+            self.registry.report_failure(pod, "stalled mid-stream")
+            return ex.timeout("stall", self.metrics), True
+        except PodLineTooLong as exc:
+            self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
+            self.registry.report_failure(pod, "oversized event")
+            ex.detail = "upstream_truncated"
+            return upstream_truncated(pod.name, f"sent an oversized event ({reason(exc)})."), True
+        except PodBrokenError as exc:
+            self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+            self.registry.report_failure(pod, "broke mid-stream")
+            ex.detail = "upstream_broke_mid_stream"
+            return upstream_truncated(pod.name, f"broke the stream mid-answer ({reason(exc)})."), True
+        finally:
+            stall.cancel()
+
+    def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
+        """Count a continuation pod as busy until the request ends."""
+        pod.in_flight += 1
+        self.metrics.child(self.metrics.in_flight, pod.name).inc()
+        ex.held.append((pod, resp))
+
+    def release_held(self, ex: Exchange) -> None:
+        """At the request's end: continuation pods are no longer busy with it, their answers released."""
+        for held_pod, held_resp in ex.held:
+            held_resp.release()
+            held_pod.in_flight -= 1
+            self.metrics.child(self.metrics.in_flight, held_pod.name).dec()
+
+    async def _resume(
+        self, ex: Exchange, req: InferenceRequest, recorder: Recorder, err: GatewayError
+    ) -> tuple[Pod, PodResponse] | None:
+        """Continue the answer on another pod; None (and a counted outcome) when it cannot be."""
+        why = unsupported_reason(req.route, req.payload)
+        if why is not None:
+            self.metrics.stream_resumes.labels("unsupported").inc()
+            err.message += f" The stream cannot be resumed on another pod ({why})."
+            return None
+        assert ex.budget is not None
+        loop = asyncio.get_running_loop()
+        while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
+            done = Transcript.read(bytes(recorder.sent))
+            pod = self.registry.pick(req.model, exclude=tuple(ex.tried), criticality=ex.criticality)
+            if pod is None:
+                break
+            ex.resumes += 1
+            ex.tried.append(pod)
+            body = continuation_body(req.route, req.payload, done)
+            cont = InferenceRequest(req.route, req.model, True, body, req.payload)
+            resp: PodResponse | None = None
+            try:
+                async with asyncio.timeout_at(min(loop.time() + ex.budget.first_token_s, ex.deadline)):
+                    resp = await self._connect(ex, cont, pod, ex.headers)
+                    assert ex.watch is not None
+                    ex.watch.upstream = resp
+                    if resp.status != 200:
+                        raise upstream_failed(pod.name, f"answered HTTP {resp.status}")
+                    head = await self.first_token(pod, resp)
+            except (Retryable, GatewayError, TimeoutError):
+                if resp is not None:
+                    resp.close()
+                continue
+            self._hold(ex, pod, resp)
+            recorder.broken = False
+            recorder.tail = b""
+            recorder.splicer = Splicer(created=done.created, tokens_before=done.tokens)
+            out = recorder.filter(recorder.splicer.head(head))
+            await ex.send({"type": "http.response.body", "body": out, "more_body": True})
+            self.metrics.stream_resumes.labels("ok").inc()
+            ex.pod = pod
+            ex.detail = "resumed"
+            return pod, resp
+        self.metrics.stream_resumes.labels("failed").inc()
+        err.message += " No other pod could continue the stream."
+        return None
+
+
+def _recording(
+    recorder: Recorder, write: Callable[[bytes], None], resp: PodResponse
+) -> Callable[[bytes], None]:
+    """A splice sink that records what it passes and ends the answer at a pod's error event."""
+
+    def sink(body: bytes) -> None:
+        out = recorder.filter(body)
+        if out:
+            write(out)
+        if recorder.broken:
+            resp.close(PodBrokenError("the pod reported an error mid-stream"))
+
+    return sink

@@ -1,0 +1,57 @@
+"""A whole (non-streaming) answer: read it within the total deadline, check it, pass it on.
+
+An answer that is not a JSON object (cut short, or not an answer at all) is never passed on: the
+client gets the gateway's own error instead. A request the relay degraded to non-streaming (its
+tier's pod was slow) gets the whole answer re-sent as an SSE stream (``gateway/degrade.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gateway.degrade import as_sse
+from gateway.errors import upstream_failed, upstream_truncated
+from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.pod_errors import reason
+from gateway.pods.registry import Pod
+from transports.pod_client import PodBrokenError, PodResponse
+
+
+async def relay_whole(
+    ex: Exchange, pod: Pod, resp: PodResponse, content_type: bytes, metrics: GatewayMetrics
+) -> None:
+    """Read the pod's whole answer and send it to the client as one response."""
+    try:
+        async with asyncio.timeout_at(ex.deadline):
+            body = await resp.read_all()
+    except TimeoutError:
+        raise ex.timeout("total", metrics) from None
+    except PodBrokenError as exc:
+        metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
+        raise upstream_failed(pod.name, f"broke the answer ({reason(exc)}).") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):  # cut short, or not an answer at all: never passed on
+        metrics.upstream_errors.labels(pod.name, "truncated").inc()
+        detail = f"sent an answer that is not a JSON object ({len(body)} bytes, {content_type.decode()})."
+        raise upstream_truncated(pod.name, detail)
+    ex.count_tokens(metrics, answer.get("usage"))
+    if ex.degraded is not None:
+        try:
+            body = as_sse(body, ex.degraded)
+        except ValueError as exc:
+            raise upstream_failed(pod.name, f"sent an unreadable answer ({reason(exc)}).") from None
+        content_type = b"text/event-stream"
+    assert ex.watch is not None
+    ex.watch.finished = True
+    ex.status = 200
+    headers = ex.response_headers(content_type)
+    if ex.degraded is not None:
+        headers.append((b"x-sluicegate-degraded", b"non-streaming"))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await ex.send({"type": "http.response.start", "status": 200, "headers": headers})
+    await ex.send({"type": "http.response.body", "body": body, "more_body": False})
