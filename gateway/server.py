@@ -4,8 +4,8 @@ here) with the gateway's own HTTP/2 and HTTP/3 listeners beside it.
 Listeners, all on one event loop, serving the one ``Gateway`` app (one lifespan):
 
 - ``server.port`` (TCP, cleartext): HTTP/1.1, and HTTP/2 with prior knowledge (h2c) unless
-  ``server.h2c`` is off; the first bytes decide (``transports.h2_server.CleartextDispatch``).
-- ``server.tls.port`` (TCP, TLS): HTTP/2 or HTTP/1.1 by ALPN (``transports.h2_server.TlsDispatch``).
+  ``server.h2c`` is off; the first bytes decide (``transports.h2_dispatch.CleartextDispatch``).
+- ``server.tls.port`` (TCP, TLS): HTTP/2 or HTTP/1.1 by ALPN (``transports.h2_dispatch.TlsDispatch``).
 - ``server.tls.h3_port`` (UDP, QUIC): HTTP/3 (``transports.h3_server``), unless ``server.tls.h3`` is
   off; by default the same port number as the TLS listener.
 
@@ -32,8 +32,9 @@ from gateway.app import Gateway
 from gateway.config import Config, ConfigError
 from gateway.rlimits import raise_open_file_limit
 from transports.h1_limits import GuardedH1Protocol, H1Limits
+from transports.h2_dispatch import CleartextDispatch, TlsDispatch
 from transports.h2_guard import H2Limits
-from transports.h2_server import CleartextDispatch, H2Settings, TlsDispatch
+from transports.h2_server import H2Settings
 from transports.tls import TlsFilesError, server_context
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -38,7 +38,8 @@ from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
 from tests.conftest import Fleet, tls_config, wait_for
 from transports.asgi_stream import AsgiStream
 from transports.h1_disconnect import PromptH1Protocol, trip_on_disconnect
-from transports.h2_server import PREFACE, CleartextDispatch, H2Settings
+from transports.h2_dispatch import CleartextDispatch
+from transports.h2_server import PREFACE, H2Settings
 from transports.tls import self_signed, server_context
 
 # -- the in-process server and its app ---------------------------------------------------------
