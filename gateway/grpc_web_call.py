@@ -235,7 +235,7 @@ class Call:
                         if choice.get("finish_reason") is not None:
                             self._finished.add(choice.get("index") or 0)
                     payload = encode(chunk, data)
-                except (ValueError, TypeError, AttributeError, KeyError):
+                except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
                     # A malformed event carries nothing a client could use: skip it, as SSE clients do.
                     log.debug("skipping a malformed event: %.200r", data)
                     continue
@@ -277,7 +277,7 @@ class Call:
                 payload = chunk_message(as_chunk(answer)).SerializeToString()
             else:
                 payload = completion_message(answer).SerializeToString()
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
             await trailers_only(
                 self._client_send, 200, Status.INTERNAL, f"The pod's answer could not be translated: {exc}",
                 self._cors, self._passed_back, self._text,
@@ -302,7 +302,7 @@ class Call:
                 error.get("type"),
                 error.get("code"),
             )
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             message = body[:500].decode("utf-8", "replace")
         status = codec.status_for_error(http_status, error_type, error_code)
         await trailers_only(

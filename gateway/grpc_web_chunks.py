@@ -141,7 +141,8 @@ def _choice(c: dict[str, Any]) -> bytes:
             body += _len_field(0x12, _utf8(content))
         if reasoning is not None:
             body += _len_field(0x1A, _utf8(reasoning))
-        out += _len_field(0x12, body)
+        if body:  # as the generated code: a delta with none of these (tool calls only) is not written
+            out += _len_field(0x12, body)
     finish = c.get("finish_reason")
     if finish is not None:
         out += _len_field(0x1A, _utf8(finish))
@@ -188,10 +189,17 @@ _scan = json.JSONDecoder().scan_once
 
 
 def parse_json(data: bytes) -> Any:
-    """``json.loads`` for one SSE payload, without its per-call encoding detection and regexes."""
+    """``json.loads`` for one SSE payload, without its per-call encoding detection and regexes.
+
+    Raises ValueError, also for JSON nested past the decoder's depth (a RecursionError there)."""
     text = data.decode()
     try:
         value, end = _scan(text, 0)
-    except StopIteration:
+    except (StopIteration, RecursionError):
         end = -1  # e.g. leading whitespace: json.loads decides
-    return value if end == len(text) else json.loads(text)
+    if end == len(text):
+        return value
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
