@@ -125,7 +125,7 @@ class Exchange:
             return
         for kind in ("prompt", "completion"):
             value = usage.get(f"{kind}_tokens")
-            if isinstance(value, int) and value > 0:
+            if type(value) is int and 0 < value < 1 << 53:  # a float counter: a pod's 10**400 would overflow
                 metrics.tokens.labels(self.model_label, kind).inc(value)
 
 

@@ -7,12 +7,16 @@ documented ``MalformedEvent``, and answers the same however the bytes were split
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
+from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
 from tests.fuzz_strategies import json_values, mutated, nested, peak_bytes, splits, wire_sample
 from transports.sse import (
     MalformedEvent,
@@ -175,3 +179,29 @@ def test_stream_incomplete_ending_on_done_is_whole_whatever_came_before(
 ) -> None:
     _, (head, *_) = buf_pieces
     assert stream_incomplete(head + b"\n\ndata: [DONE]\n\n") is None
+
+
+# -- what the relay does with the usage a pod reports ------------------------------------------------
+
+token_counts = st.one_of(
+    st.integers(-5, 10**6), st.integers(2**53, 10**400), st.booleans(), st.floats(), st.none(),
+    st.text(max_size=3),
+)
+
+
+@given(st.fixed_dictionaries({}, optional={"prompt_tokens": token_counts, "completion_tokens": token_counts}))
+@example({"completion_tokens": 10**400})  # found by fuzzing: Counter.inc raised OverflowError at the end of
+@example({"prompt_tokens": 2**1024})  # a stream, in the relay's accounting
+def test_any_reported_usage_is_counted_or_ignored(usage: dict[str, Any]) -> None:
+    metrics = GatewayMetrics(CollectorRegistry())
+    tail = b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\ndata: [DONE]\n\n"
+    found = find_usage(tail)
+    assert found == usage
+    Exchange.count_tokens(SimpleNamespace(model_label="m"), metrics, found)  # type: ignore[arg-type]
+    for kind in ("prompt", "completion"):
+        value = usage.get(f"{kind}_tokens")
+        counted = metrics.registry.get_sample_value("sluicegate_tokens_total", {"model": "m", "kind": kind})
+        if type(value) is int and 0 < value < 2**53:
+            assert counted == value
+        else:
+            assert not counted
