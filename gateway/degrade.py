@@ -30,7 +30,10 @@ def as_sse(answer: bytes, include_usage: bool) -> bytes:
 
     ValueError when ``answer`` is not a completion object.
     """
-    completion = json.loads(answer)
+    try:
+        completion = json.loads(answer)
+    except RecursionError:
+        raise ValueError("the pod's answer is nested too deeply") from None
     if not isinstance(completion, dict) or not isinstance(completion.get("choices"), list):
         raise ValueError("the pod's answer is not a completion object")
     chat = completion.get("object") == "chat.completion"
@@ -47,7 +50,8 @@ def as_sse(answer: bytes, include_usage: bool) -> bytes:
     for choice in choices:
         index = choice.get("index", 0)
         if chat:
-            delta = _delta(choice.get("message") or {})
+            message = choice.get("message")
+            delta = _delta(message if isinstance(message, dict) else {})
             first = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         else:
             first = {"index": index, "text": choice.get("text", ""), "logprobs": None, "finish_reason": None}

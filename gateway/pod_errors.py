@@ -26,7 +26,7 @@ async def pod_error(pod_name: str, resp: PodResponse, max_body_bytes: int) -> Ga
     extra = (("retry-after", retry_after),) if retry_after else ()
     try:
         payload = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
         payload = None
     if isinstance(payload, dict):
         err = payload.get("error")

@@ -54,16 +54,19 @@ class Transcript:
                 continue
             try:
                 event = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if not isinstance(event, dict):
                 continue
             out.id = out.id or event.get("id")
             out.created = out.created or event.get("created")
-            for choice in event.get("choices") or ():
+            choices = event.get("choices")
+            for choice in choices if isinstance(choices, list) else ():
+                if not isinstance(choice, dict):
+                    continue
                 delta = choice.get("delta")
                 piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-                if piece:
+                if piece and isinstance(piece, str):
                     out.text += piece
                     out.tokens += 1
                 if choice.get("finish_reason") is not None:
@@ -107,7 +110,7 @@ class Splicer:
             pos = end + 2
             payload = sse.event_data(event)
             if payload and self.new_created is None:
-                with contextlib.suppress(ValueError, AttributeError):
+                with contextlib.suppress(ValueError, AttributeError, RecursionError):
                     self.new_created = json.loads(payload).get("created")
             if self._skip_role and payload and b'"role"' in payload and b'"content":""' in payload:
                 continue
@@ -116,7 +119,7 @@ class Splicer:
         return self.chunk(b"".join(out))
 
     def chunk(self, data: bytes) -> bytes:
-        if self.created is not None and self.new_created not in (None, self.created):
+        if type(self.created) is int and type(self.new_created) is int and self.new_created != self.created:
             data = data.replace(b'"created":%d' % self.new_created, b'"created":%d' % self.created)
         if b'"usage"' in data:
             data = self._fix_usage(data)
@@ -134,7 +137,7 @@ class Splicer:
                 usage["prompt_tokens"] = max(0, usage["prompt_tokens"] - self.tokens_before)
                 usage["completion_tokens"] += self.tokens_before
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue
             events[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
         return b"\n\n".join(events)
