@@ -33,7 +33,7 @@ async def relay_whole(
         raise upstream_failed(pod.name, f"broke the answer ({reason(exc)}).") from None
     try:
         answer = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
         answer = None
     if not isinstance(answer, dict):  # cut short, or not an answer at all: never passed on
         metrics.upstream_errors.labels(pod.name, "truncated").inc()

@@ -6,16 +6,22 @@ documented), never another exception in the middle of a client's request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import example, given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from gateway.degrade import as_sse
 from gateway.errors import GatewayError
+from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import pod_error
 from gateway.resume import Splicer, Transcript
+from gateway.whole_answer import relay_whole
 from tests.fuzz_strategies import json_values, mutated, nested, run_sync, splits, wire_sample
 
 KEYS = st.sampled_from([
@@ -121,3 +127,55 @@ def test_spliced_usage_moves_the_resumed_tokens_from_prompt_to_completion(
     assert usage["completion_tokens"] == completion + before
     assert usage["prompt_tokens"] == max(0, prompt - before)
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+class _Exchange:
+    """The few parts of an Exchange that relay_whole uses."""
+
+    count_tokens = Exchange.count_tokens
+
+    def __init__(self, degraded: bool | None) -> None:
+        self.deadline = asyncio.get_running_loop().time() + 60
+        self.degraded, self.model_label, self.status = degraded, "m", 0
+        self.watch = SimpleNamespace(finished=False)
+        self.sent: list[dict[str, Any]] = []
+
+    def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        return [(b"content-type", content_type)]
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        objects.map(lambda o: json.dumps(o).encode()),
+        st.builds(lambda c: json.dumps({"object": "chat.completion", "choices": c}).encode(),
+                  st.lists(json_values(KEYS), max_size=3)),
+    ),
+    st.none() | st.booleans(),
+)  # fmt: skip
+@example(nested(100_000), None)  # found by fuzzing: RecursionError escaped relay_whole
+@example(b'{"choices": [], "usage": {"completion_tokens": ' + b"9" * 400 + b"}}", None)
+def test_a_whole_answer_is_sent_as_is_or_refused_with_a_gateway_error(
+    body: bytes, degraded: bool | None
+) -> None:
+    async def relay() -> _Exchange:
+        ex = _Exchange(degraded)
+        metrics = GatewayMetrics(CollectorRegistry())
+        pod, answer = SimpleNamespace(name="p"), _PodAnswer(200, body, {})
+        await relay_whole(ex, pod, answer, b"application/json", metrics)  # type: ignore[arg-type]
+        return ex
+
+    try:
+        ex = asyncio.run(relay())
+    except GatewayError as exc:
+        assert exc.status in (502, 503)
+        return
+    start, sent = ex.sent
+    assert start["status"] == 200
+    if degraded is None:
+        assert sent["body"] == body and isinstance(json.loads(body), dict)
+    else:
+        assert sent["body"].endswith(b"data: [DONE]\n\n")
