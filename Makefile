@@ -48,6 +48,7 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 	$(BIN)/python -m loadtest.bench_reaction $(BENCH_REACTION_ARGS)
 	$(BIN)/python -m loadtest.bench_transports $(BENCH_TRANSPORT_ARGS)
 	$(BIN)/python -m loadtest.bench_overload $(BENCH_OVERLOAD_ARGS)
+	$(BIN)/python -m loadtest.bench_overload --health-delay-ms 1500 --section overload-slow-health $(BENCH_OVERLOAD_ARGS)
 	$(BIN)/python -m loadtest.bench_attacks $(BENCH_ATTACK_ARGS)
 
 soak: setup  ## a minute of mixed pod faults under load: every request ends cleanly, nothing leaks

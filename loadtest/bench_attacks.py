@@ -104,8 +104,11 @@ async def _initials(ports: Ports) -> str:
 
 async def _never_reading(ports: Ports) -> str:
     r = await h3.never_reading(HOST, ports.quic, timeout_s=40.0)
-    return f"stream reset {r.view.reset_code} after {r.received} bytes" if r.view.reset_code is not None \
-        else f"not reset ({r.received} bytes)"
+    if r.view.reset_code is not None:
+        return f"stream reset {r.view.reset_code} after {r.received} bytes"
+    if r.closed_code is not None:
+        return f"connection closed ({r.closed_code}) after {r.received} bytes"
+    return f"neither reset nor closed ({r.received} bytes)"
 
 
 ATTACKS: dict[str, tuple[str, Attack]] = {

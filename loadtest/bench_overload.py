@@ -38,8 +38,6 @@ from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from loadtest.report import replace_marked_section
 
-MD_BEGIN = "<!-- bench:overload:begin -->"
-MD_END = "<!-- bench:overload:end -->"
 MODEL = "bench-model"
 
 # An independent prober: its own process (its own interpreter lock), one GET /health every 0.5 s,
@@ -61,8 +59,9 @@ while True:
 """
 
 
-def start_pod(pin: bool) -> PodsimProcess:
-    args = ["--model", MODEL, "--ttft-ms", "20", "--itl-ms", "5", "--itl-per-seq-ms", "0",
+def start_pod(pin: bool, health_delay_ms: float = 0) -> PodsimProcess:
+    faults = ["--fault", f"health_delay_ms={health_delay_ms:g}"] if health_delay_ms else []
+    args = [*faults, "--model", MODEL, "--ttft-ms", "20", "--itl-ms", "5", "--itl-per-seq-ms", "0",
             "--max-num-seqs", "1024", "--kv-blocks", "400000", "--host", "127.0.0.1",
             "--log-level", "warning"]
     return PodsimProcess(args, command_prefix=pin_prefix(LOAD_CORE, pin)).start()
@@ -98,7 +97,8 @@ def gateway_view(url: str) -> dict[str, Any]:
         text = resp.read().decode()
     view: dict[str, Any] = {"to_unhealthy": 0.0, "to_degraded": 0.0, "excused": 0.0, "panic": 0.0,
                             "shed_503": 0.0}
-    buckets: dict[float, float] = {}
+    buckets: dict[float, float] = {}  # probes the pod answered (a timeout's time is the timeout)
+    timeouts = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "sluicegate_pod_transitions_total" and s.labels.get("kind") == "health":
@@ -109,15 +109,18 @@ def gateway_view(url: str) -> dict[str, Any]:
                 view["excused"] += s.value
             elif s.name == "sluicegate_panic":
                 view["panic"] = max(view["panic"], s.value)
-            elif s.name == "sluicegate_probe_duration_seconds_bucket":
+            elif s.name == "sluicegate_probe_duration_seconds_bucket" and s.labels["outcome"] != "timeout":
                 bound = float(s.labels["le"])
                 buckets[bound] = buckets.get(bound, 0.0) + s.value
+            elif s.name == "sluicegate_probe_duration_seconds_count" and s.labels["outcome"] == "timeout":
+                timeouts += s.value
             elif s.name == "sluicegate_shed_total" and s.labels.get("reason") == "no_healthy_pod":
                 view["shed_503"] += s.value
     pairs = list(buckets.items())
     view["probe_p50_ms"] = _ms(_histogram_quantile(pairs, 0.5))
     view["probe_p99_ms"] = _ms(_histogram_quantile(pairs, 0.99))
-    view["probes"] = max((c for _, c in pairs), default=0)
+    view["probe_timeouts"] = timeouts
+    view["probes"] = max((c for _, c in pairs), default=0) + timeouts
     return view
 
 
@@ -126,7 +129,21 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def run_target(name: str, url: str, proxy_pids: list[int], pod: PodsimProcess, streams: int,
-               seconds: float, tokens: int) -> dict[str, Any]:
+               seconds: float, tokens: int, hogs: int = 0) -> dict[str, Any]:
+    pin = can_pin()
+    # other work on the pod's core (a noisy neighbour): the pod gets a smaller share of it
+    burners = [subprocess.Popen([*pin_prefix(LOAD_CORE, pin), sys.executable, "-c", "while True: pass"])
+               for _ in range(hogs)]
+    try:
+        return _measure(name, url, proxy_pids, pod, streams, seconds, tokens)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def _measure(name: str, url: str, proxy_pids: list[int], pod: PodsimProcess, streams: int,
+             seconds: float, tokens: int) -> dict[str, Any]:
     prober = subprocess.Popen(
         [*pin_prefix(LOAD_CORE, can_pin()), sys.executable, "-c", _PROBER, pod.host, str(pod.port)],
         stdout=subprocess.PIPE, text=True,
@@ -155,16 +172,17 @@ def run_target(name: str, url: str, proxy_pids: list[int], pod: PodsimProcess, s
     return row
 
 
-def run(streams: int, seconds: float, soak_seconds: float, tokens: int, pin: bool) -> list[dict[str, Any]]:
+def run(streams: int, seconds: float, soak_seconds: float, tokens: int, pin: bool,
+        hogs: int = 0, targets: list[str] | None = None, health_delay_ms: float = 0) -> list[dict[str, Any]]:
     rows = []
-    plan: list[tuple[str, float]] = [("nginx", seconds), ("gateway", seconds)]
+    plan: list[tuple[str, float]] = [(t, seconds) for t in targets or ("nginx", "gateway")]
     if soak_seconds > 0:
         plan.append(("gateway (soak)", soak_seconds))
     for name, duration in plan:
         if name == "nginx" and nginx_binary() is None:
             print("bench_overload: nginx is not installed; its row is skipped", file=sys.stderr)
             continue
-        pod = start_pod(pin)
+        pod = start_pod(pin, health_delay_ms)
         try:
             if name == "nginx":
                 with tempfile.TemporaryDirectory(prefix="sluicegate-nginx-") as tmp:
@@ -172,12 +190,12 @@ def run(streams: int, seconds: float, soak_seconds: float, tokens: int, pin: boo
                     nginx = NginxProcess(pod.url, Path(tmp), command_prefix=prefix).start()
                     try:
                         pids = process_tree(nginx.pid)
-                        row = run_target(name, nginx.url, pids, pod, streams, duration, tokens)
+                        row = run_target(name, nginx.url, pids, pod, streams, duration, tokens, hogs)
                     finally:
                         nginx.stop()
             else:
                 with GatewayProcess(gateway_config(pod.url), cpu=PROXY_CORE if pin else None) as gw:
-                    row = run_target(name, gw.url, [gw.pid], pod, streams, duration, tokens)
+                    row = run_target(name, gw.url, [gw.pid], pod, streams, duration, tokens, hogs)
                     row.update(gateway_view(gw.url))
         finally:
             pod.stop()
@@ -197,14 +215,15 @@ def render(rows: list[dict[str, Any]], command: str) -> str:
         "",
         "| target | seconds | requests | whole streams | 429 (share) | errors | tokens/s | TTFT p50 / p99 ms "
         "| proxy CPU ms / 1000 tokens | pod marked unhealthy / degraded | probe timeouts excused "
-        "| gateway's probe p50 / p99 ms | independent probe p50 / p99 ms (timeouts) |",
+        "| gateway's probe p50 / p99 ms (timeouts) | independent probe p50 / p99 ms (timeouts) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         gateway = "to_unhealthy" in r
         marked = f"{r['to_unhealthy']:.0f} / {r['to_degraded']:.0f}" if gateway else "n/a"
         excused = f"{r['excused']:.0f}" if gateway else "n/a"
-        probe = f"{_f(r.get('probe_p50_ms'))} / {_f(r.get('probe_p99_ms'))}" if gateway else "n/a"
+        probe = (f"{_f(r.get('probe_p50_ms'))} / {_f(r.get('probe_p99_ms'))} ({r['probe_timeouts']:.0f} of "
+                 f"{r['probes']:.0f})") if gateway else "n/a"
         errors = str(r["errors"]) + (f" ({', '.join(f'{k}: {v}' for k, v in r['error_kinds'].items())})"
                                      if r["error_kinds"] else "")
         lines.append(
@@ -224,18 +243,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--soak-seconds", type=float, default=60.0, help="0: no soak")
+    parser.add_argument("--hogs", type=int, default=0,
+                        help="busy processes beside the pod on its core (a noisy neighbour)")
+    parser.add_argument("--targets", default="nginx,gateway", help="comma-separated: nginx, gateway")
+    parser.add_argument("--health-delay-ms", type=float, default=0,
+                        help="the pod's /health answers this late (vLLM's API server, busy streaming)")
     parser.add_argument("--write-md", metavar="FILE")
+    parser.add_argument("--section", default="overload", help="the marked section of --write-md to replace")
     args = parser.parse_args(argv)
     raise_open_file_limit()
     pin = can_pin()
     if pin:  # the pods, the prober and this load generator stay off the proxy's core
         os.sched_setaffinity(0, {LOAD_CORE})
-    rows = run(args.streams, args.seconds, args.soak_seconds, args.tokens, pin)
+    rows = run(args.streams, args.seconds, args.soak_seconds, args.tokens, pin, args.hogs,
+               args.targets.split(","), args.health_delay_ms)
     command = "python -m loadtest.bench_overload " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(rows, command.strip())
     print(section)
     if args.write_md:
-        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+        marks = (f"<!-- bench:{args.section}:begin -->", f"<!-- bench:{args.section}:end -->")
+        replace_marked_section(Path(args.write_md), *marks, section)
     failed = [r for r in rows if r["target"] != "nginx" and (r["errors"] or r["to_unhealthy"])]
     return 1 if failed else 0
 

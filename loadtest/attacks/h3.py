@@ -427,6 +427,7 @@ async def crypto_offset(host: str, port: int, *, offset: int, size: int = 64) ->
 class NeverReadingReport:
     view: StreamView
     received: int = 0  # response bytes that arrived (at most what our windows allowed)
+    closed_code: int | None = None  # the server closed the whole connection with this code
 
 
 async def never_reading(
@@ -447,4 +448,5 @@ async def never_reading(
         sid = peer.request(request_headers(path, extra=extra), body)
         view = peer.streams[sid]
         await peer.until(lambda: view.reset_code is not None or view.ended, timeout_s)
-        return NeverReadingReport(view, len(view.body))
+        closed = peer.terminated.error_code if peer.terminated is not None else None
+        return NeverReadingReport(view, len(view.body), closed)
