@@ -93,7 +93,7 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        self._session = open_session(self.config.upstream)
+        self._session = open_session(self.config.upstream.keepalive_timeout_s)
         upstream = self.config.upstream
         self._pod_client = PodClient(
             self.config.timeouts.connect_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod

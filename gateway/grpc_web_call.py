@@ -23,9 +23,9 @@ from gateway.errors import GatewayError, bad_request
 from gateway.exchange import Receive, Send
 from gateway.grpc_web_chunks import ChunkEncoder, parse_json
 from gateway.grpc_web_messages import as_chunk, chunk_message, completion_message, openai_body
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from transports import grpc_web as codec
 from transports.grpc_web import Status
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.sse import event_data, stream_incomplete
 
 log = logging.getLogger("sluicegate.grpc_web")

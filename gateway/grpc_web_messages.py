@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 
 _OPTIONAL_FIELDS = (
     "max_tokens", "temperature", "top_p", "user", "seed", "n", "presence_penalty", "frequency_penalty",

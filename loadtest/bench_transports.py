@@ -47,7 +47,6 @@ import h2.config
 import h2.connection
 import h2.events
 
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin, cpu_delta_s, cpu_ticks
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
@@ -55,6 +54,7 @@ from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
 from loadtest.report import replace_marked_section
 from transports import grpc_web
 from transports.h3_client import H3ClientConnection
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.tls import self_signed
 
 MD_BEGIN = "<!-- bench:transports:begin -->"

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from gateway.grpc_web_call import Call
 from gateway.grpc_web_chunks import ChunkEncoder, parse_json
 from gateway.grpc_web_messages import as_chunk, chunk_message, completion_message, openai_body
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from tests.fuzz_strategies import json_values, mutated, nested, run_sync, splits, wire_sample
 from transports import grpc_web as codec
 from transports.grpc_web import Status
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 
 CAUGHT = (ValueError, TypeError, AttributeError, KeyError)  # what Call._frames and _send_whole catch
 KEYS = st.sampled_from([

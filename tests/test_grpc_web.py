@@ -24,11 +24,11 @@ import openai
 import pytest
 
 from gateway.config import ServerConfig
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import FAST, Fleet, counter_totals, gateway_in_flight, pod_aborts, pod_state, wait_for
 from transports import grpc_web as codec
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_DIR = ROOT / "tests" / "grpcweb_client"

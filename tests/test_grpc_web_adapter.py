@@ -15,11 +15,11 @@ import pytest
 from gateway.config import Config
 from gateway.errors import GatewayError, model_not_found, overloaded
 from gateway.grpc_web import ChunkEncoder, GrpcWebEndpoint, chunk_message, openai_body, parse_json
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from loadtest.podsim.wire import StreamFormat, chat_response
 from transports import grpc_web as codec
 from transports.client_socket import client_socket
 from transports.grpc_web import Status
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 
 Message = dict[str, Any]
 STREAM = "/sluicegate.v1.Inference/StreamChatCompletion"

@@ -15,7 +15,7 @@ from transports.grpc_web import Status
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = ROOT / "proto" / "sluicegate" / "v1" / "inference.proto"
-GENERATED = ROOT / "gateway" / "proto" / "sluicegate" / "v1"
+GENERATED = ROOT / "transports" / "proto" / "sluicegate" / "v1"
 
 
 # -- frames --------------------------------------------------------------------------------------
@@ -184,10 +184,10 @@ def test_errors_map_by_type_and_mid_stream_by_their_own_code() -> None:
 
 
 def test_generated_python_matches_the_proto(tmp_path: Path) -> None:
-    """gateway/proto/ is what grpcio-tools' protoc makes of proto/ today: regenerate and compare."""
+    """transports/proto/ is what grpcio-tools' protoc makes of proto/ today: regenerate and compare."""
     from google.protobuf import descriptor_pb2
 
-    from gateway.proto.sluicegate.v1 import inference_pb2
+    from transports.proto.sluicegate.v1 import inference_pb2
 
     out = tmp_path / "out"
     out.mkdir()
@@ -205,7 +205,7 @@ def test_generated_python_matches_the_proto(tmp_path: Path) -> None:
         for field in message.field:
             field.ClearField("json_name")
     checked_in = descriptor_pb2.FileDescriptorProto.FromString(inference_pb2.DESCRIPTOR.serialized_pb)
-    assert fresh == checked_in, "proto/ changed: regenerate gateway/proto (see docs/grpc-web.md)"
+    assert fresh == checked_in, "proto/ changed: regenerate transports/proto (see docs/grpc-web.md)"
     # The files themselves match when this protoc is the one that made them.
     for name in ("inference_pb2.py", "inference_pb2.pyi"):
         new = (out / "sluicegate" / "v1" / name).read_text()
@@ -214,7 +214,7 @@ def test_generated_python_matches_the_proto(tmp_path: Path) -> None:
             versions = f"{_gencode_version(new)}, checked in: {_gencode_version(old)}"
             pytest.skip(f"the installed grpcio-tools makes protobuf {versions}")
         assert new == old, (
-            f"{name} differs from protoc's output: regenerate gateway/proto (see docs/grpc-web.md)"
+            f"{name} differs from protoc's output: regenerate transports/proto (see docs/grpc-web.md)"
         )
 
 

@@ -33,7 +33,6 @@ from aioquic.quic.events import StreamDataReceived
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.client import (
     DEFAULT_RACE_DELAY,
     SluicegateClient,
@@ -42,6 +41,7 @@ from transports.client import (
     SyncSluicegateClient,
 )
 from transports.h3_client import H3_VERSION_FALLBACK
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.tls import self_signed
 
 TOKENS = ["Hello", ",", " world", "!"]

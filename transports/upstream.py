@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import aiohttp
 
-from gateway.config import UpstreamConfig
 
-
-def open_session(config: UpstreamConfig) -> aiohttp.ClientSession:
+def open_session(keepalive_timeout_s: float) -> aiohttp.ClientSession:
     """A pooled keep-alive session; bytes are passed through undecoded, cookies ignored."""
     connector = aiohttp.TCPConnector(
         limit=100,
-        keepalive_timeout=config.keepalive_timeout_s,
+        keepalive_timeout=keepalive_timeout_s,
         ttl_dns_cache=60,
     )
     timeout = aiohttp.ClientTimeout(

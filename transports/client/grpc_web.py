@@ -18,13 +18,13 @@ from urllib.parse import urlsplit
 import httpx
 from google.protobuf import json_format
 
-from gateway.proto.sluicegate.v1 import inference_pb2 as pb
 from transports import grpc_web as codec
 from transports.client.errors import SluicegateError, parse_retry_after
 from transports.client.events import SSEvent
 from transports.client.exchange import ChatExchange, ChatRequest, ChatTransport
 from transports.client.tcp import HttpxExchange, HttpxTransport
 from transports.h3_client import Verify
+from transports.proto.sluicegate.v1 import inference_pb2 as pb
 
 GRPC_SERVICE = "sluicegate.v1.Inference"
 # gRPC status -> the HTTP status the gateway chose it for (transports/grpc_web.HTTP_TO_GRPC, inverted)
