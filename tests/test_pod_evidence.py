@@ -128,3 +128,44 @@ def test_the_panic_threshold_can_be_turned_off() -> None:
         monitor.record_probe(reg.get("p0"), TIMEOUT, now=50.0)
     assert reg.pick("m", now=50.0) is None and not reg.panicking
     assert reg.shed_reason("m", "standard", now=50.0)[0] == 503
+
+
+def test_a_pod_out_by_hard_failures_stays_out_of_a_panic_until_it_is_back() -> None:
+    reg, monitor, _ = fleet(3)
+    p0 = reg.get("p0")
+    for _ in range(3):
+        monitor.record_probe(p0, ANSWERED_503, now=50.0)
+    monitor.record_probe(p0, OK, now=52.0)  # one clean probe is not enough to come back ...
+    monitor.record_probe(p0, TIMEOUT, now=54.0)  # ... and a timeout after it does not soften the verdict
+    assert p0.health.state == UNHEALTHY and p0.health.condemned
+    for pod in reg.pods[1:]:
+        for _ in range(3):
+            monitor.record_probe(pod, TIMEOUT, now=54.0)
+    assert reg.panicking == {"m"} and {reg.pick("m", now=54.0).name for _ in range(30)} == {"p1", "p2"}
+
+
+async def test_a_pod_whose_model_list_is_nested_too_deep_is_unreachable_and_discovery_goes_on() -> None:
+    import asyncio
+
+    import aiohttp
+
+    from gateway.config import DiscoveryConfig
+    from gateway.pods.discovery import refresh_pod
+
+    body = b"[" * 100_000
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                     b"connection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    metrics = GatewayMetrics(CollectorRegistry())
+    reg = PodRegistry([PodConfig(name="deep", url=f"http://127.0.0.1:{port}")], HEALTH, metrics)
+    pod = reg.get("deep")
+    async with server, aiohttp.ClientSession() as session:
+        await refresh_pod(pod, session, DiscoveryConfig(), metrics)  # must not raise
+    assert not pod.reachable and pod.last_error

@@ -44,8 +44,8 @@ async def refresh_pod(
         if not pod.serving(time.monotonic()):
             _unreachable(pod, f"/v1/models timed out after {config.probe_timeout_s:g} s")
         # else: slow under load while live traffic gets answers; overload is not absence
-    except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
-        _unreachable(pod, str(exc) or type(exc).__name__)
+    except (aiohttp.ClientError, RuntimeError, ValueError, RecursionError) as exc:
+        _unreachable(pod, str(exc)[:200] or type(exc).__name__)
     else:
         if not pod.reachable:
             log.info("pod %s (%s) is reachable, serving %s", pod.name, pod.url, sorted(models))
@@ -91,8 +91,13 @@ async def discovery_loop(
         down = tuple(p for p in registry.pods if not p.reachable)
         await asyncio.sleep(config.retry_interval_s if down else config.refresh_interval_s)
         now = time.monotonic()
-        if now >= next_full:
-            next_full = now + config.refresh_interval_s
-            await refresh_all(registry, session(), config, metrics)
-        elif down:
-            await refresh_all(registry, session(), config, metrics, down)
+        try:
+            if now >= next_full:
+                next_full = now + config.refresh_interval_s
+                await refresh_all(registry, session(), config, metrics)
+            elif down:
+                await refresh_all(registry, session(), config, metrics, down)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in one round must not end discovery for good
+            log.exception("discovery round failed")

@@ -36,11 +36,13 @@ log = logging.getLogger("sluicegate.pods")
 # this gateway's own in-flight count breaks ties and covers the time between two scrapes.
 _IN_FLIGHT_WEIGHT = 0.02
 
-_MODE_LOG = {  # (is the panic mode, entering) -> what the operator reads
-    (False, True): "no fresh metrics from any pod: routing on in-flight counts alone",
-    (False, False): "fresh metrics again: pressure-aware routing resumed",
-    (True, True): "too few pods pass their probes (panic threshold): routing across every live pod",
-    (True, False): "enough pods pass their probes again: panic routing over",
+_MODE_LOG = {  # (mode, entering) -> (log level, what the operator reads)
+    ("fail_open", True): (logging.WARNING,
+                          "no fresh metrics from any pod: routing on in-flight counts alone"),
+    ("fail_open", False): (logging.INFO, "fresh metrics again: pressure-aware routing resumed"),
+    ("panic", True): (logging.WARNING,
+                      "too few pods pass their probes (panic threshold): routing across every live pod"),
+    ("panic", False): (logging.WARNING, "enough pods pass their probes again: panic routing over"),
 }
 
 class Pod:
@@ -235,9 +237,9 @@ class PodRegistry:
         if threshold > 0:
             alive = [p for p in candidates if p.alive]
             if len(routable) * 100 < threshold * len(alive):
-                self._set_mode(model, self.panicking, True, self.metrics.panic if self.metrics else None)
+                self._set_mode("panic", model, self.panicking, True)
                 return alive
-        self._set_mode(model, self.panicking, False, self.metrics.panic if self.metrics else None)
+        self._set_mode("panic", model, self.panicking, False)
         return routable
 
     def pick(
@@ -328,19 +330,21 @@ class PodRegistry:
         return None
 
     def _set_fail_open(self, model: str, failing: bool) -> None:
-        self._set_mode(model, self.failing_open, failing, self.metrics.fail_open if self.metrics else None)
+        self._set_mode("fail_open", model, self.failing_open, failing)
 
-    def _set_mode(self, model: str, models: set[str], on: bool, gauge: Any) -> None:
-        """Enter or leave a routing mode for a model (fail-open, panic): log it and set its gauge."""
+    def _set_mode(self, mode: str, model: str, models: set[str], on: bool) -> None:
+        """Enter or leave a routing mode (``fail_open``, ``panic``) for a model: log it and set the
+        gauge of the same name."""
         if on == (model in models):
             return
         if on:
             models.add(model)
         else:
             models.discard(model)
-        log.warning("%s: %s", model, _MODE_LOG[models is self.panicking, on])
-        if gauge is not None:
-            gauge.labels(model).set(1 if on else 0)
+        level, what = _MODE_LOG[mode, on]
+        log.log(level, "%s: %s", model, what)
+        if self.metrics is not None:
+            getattr(self.metrics, mode).labels(model).set(1 if on else 0)
 
     def shed_reason(self, model: str, criticality: str, now: float | None = None) -> tuple[int, str, int]:
         """Why ``pick`` found nothing: (status, reason, Retry-After seconds).

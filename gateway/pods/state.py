@@ -64,7 +64,9 @@ class HealthState:
             self.failures = 0
             self.successes += 1
         else:
-            self.soft = not hard if self.failures == 0 else self.soft and not hard
+            # a new streak starts soft, unless the pod is still out from hard failures
+            fresh = self.failures == 0 and self.state != UNHEALTHY
+            self.soft = not hard if fresh else self.soft and not hard
             self.successes = 0
             self.failures += 1
             self.reason = f"probe failed: {detail}" if detail else "probe failed"
