@@ -81,6 +81,12 @@ def _too_large(limit: int) -> GatewayError:
     )
 
 
+def encode_body(payload: dict[str, Any]) -> bytes:
+    """A request body the gateway rewrote (a cap filled in, a continuation, streaming turned off):
+    compact JSON, ASCII-escaped, so a lone surrogate a client sent (valid JSON) cannot fail to encode."""
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
 def parse_request(route: str, body: bytes) -> InferenceRequest:
     """Validate an OpenAI chat or completions request body enough to route it."""
     if not body:

@@ -101,6 +101,9 @@ class ClientLimitsConfig(_Frozen):
     h2_control_frame_burst: int = Field(default=1000, ge=1, description="... and burst")
     h2_max_outbound_control_frames: int = Field(default=1000, ge=1, description="queued for a non-reader")
     h2_max_empty_frames: int = Field(default=10, ge=0, description="empty DATA frames in a row")
+    h2_max_window_updates_per_data_frame: int = Field(
+        default=10, ge=1, description="WINDOW_UPDATE frames per DATA frame sent (Envoy's figure)"
+    )
     h2_send_stall_s: float = Field(default=30.0, gt=0, description="a chunk waiting for the window/reads")
 
 
@@ -128,6 +131,7 @@ class ServerConfig(_Frozen):
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_messages: int = Field(default=2048, ge=1, description="chat messages in one request")
+    max_choices: int = Field(default=16, ge=1, description="n (and best_of): generations per request")
     max_tokens: int | None = Field(
         default=None, ge=1, description="completion tokens a request may ask for; None: the pod decides"
     )
@@ -257,6 +261,7 @@ class TierConfig(_Frozen):
     degrade: DegradeConfig | None = None
     max_tokens: int | None = Field(default=None, ge=1, description="default: server.max_tokens")
     max_messages: int | None = Field(default=None, ge=1, description="default: server.max_messages")
+    max_choices: int | None = Field(default=None, ge=1, description="default: server.max_choices")
 
 
 class AffinityConfig(_Frozen):

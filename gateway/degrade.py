@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.admit import encode_body
+
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -22,7 +24,7 @@ def non_streaming_body(payload: dict[str, Any]) -> tuple[bytes, bool]:
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
     body["stream"] = False
-    return json.dumps(body, separators=(",", ":")).encode(), include_usage
+    return encode_body(body), include_usage
 
 
 def as_sse(answer: bytes, include_usage: bool) -> bytes:

@@ -1,4 +1,4 @@
-"""Limits on how much work one request may ask of the GPUs: messages, and tokens per tier.
+"""Limits on how much work one request may ask of the GPUs: messages, choices, and tokens per tier.
 
 Why: the body size limit bounds bytes, not work. A 4 MiB body can hold tens of thousands of tiny
 messages (each one templated, tokenized and attended to), and a request may ask for as many
@@ -10,10 +10,9 @@ after the tier is known; refusals are 400s in the OpenAI shape, with the offendi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from gateway.admit import InferenceRequest
+from gateway.admit import InferenceRequest, encode_body
 from gateway.config import Config
 from gateway.errors import bad_request
 
@@ -24,16 +23,20 @@ _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 class RequestLimits:
     max_messages: int
     max_tokens: int | None
+    max_choices: int
 
 
 def limits_by_tier(config: Config) -> dict[str | None, RequestLimits]:
     """Each tier's limits (None: callers without a tier), its own settings over the server's."""
     server = config.server
-    limits: dict[str | None, RequestLimits] = {None: RequestLimits(server.max_messages, server.max_tokens)}
+    limits: dict[str | None, RequestLimits] = {
+        None: RequestLimits(server.max_messages, server.max_tokens, server.max_choices)
+    }
     for name, tier in config.tiers.items():
         limits[name] = RequestLimits(
             tier.max_messages if tier.max_messages is not None else server.max_messages,
             tier.max_tokens if tier.max_tokens is not None else server.max_tokens,
+            tier.max_choices if tier.max_choices is not None else server.max_choices,
         )
     return limits
 
@@ -47,6 +50,13 @@ def enforce(req: InferenceRequest, limits: RequestLimits) -> InferenceRequest:
             f"'messages' has {len(messages)} entries; at most {limits.max_messages} are allowed.",
             "messages", "too_many_messages",
         )
+    for field in ("n", "best_of"):  # each choice is a generation of its own: the token cap is per choice
+        value = payload.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_choices:
+            raise bad_request(
+                f"'{field}' is {value}; at most {limits.max_choices} choices are allowed.",
+                field, "too_many_choices",
+            )
     cap = limits.max_tokens
     if cap is None:
         return req
@@ -66,5 +76,4 @@ def enforce(req: InferenceRequest, limits: RequestLimits) -> InferenceRequest:
     if asked:
         return req
     capped = {**payload, "max_tokens": cap}
-    body = json.dumps(capped, separators=(",", ":"), ensure_ascii=False).encode()
-    return InferenceRequest(req.route, req.model, req.stream, body, capped)
+    return InferenceRequest(req.route, req.model, req.stream, encode_body(capped), capped)

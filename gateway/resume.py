@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.admit import encode_body
 from transports import sse
 
 
@@ -85,7 +86,7 @@ def continuation_body(route: str, payload: dict[str, Any], done: Transcript) -> 
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(payload.get(key), int):
             body[key] = max(1, payload[key] - done.tokens)
-    return json.dumps(body, separators=(",", ":")).encode()
+    return encode_body(body)
 
 
 @dataclass

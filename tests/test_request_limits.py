@@ -21,7 +21,7 @@ from tests.conftest import FAST
 def gateway() -> Iterator[GatewayProcess]:
     with PodsimProcess(["--model", "llama-8b", *FAST]) as pod:
         config = {
-            "server": {"host": "127.0.0.1", "max_messages": 8},
+            "server": {"host": "127.0.0.1", "max_messages": 8, "max_choices": 2},
             "tiers": {
                 "free": {"api_keys": ["sk-free"], "max_tokens": 12, "max_messages": 4},
                 "pro": {"api_keys": ["sk-pro"]},
@@ -73,3 +73,20 @@ def test_a_request_that_names_no_limit_gets_its_tiers_cap(gateway: GatewayProces
     stream = post(gateway, chat(ignore_eos=True, stream=True, stream_options=usage), "sk-free")
     assert stream.status_code == 200 and '"completion_tokens":12' in stream.text.replace(" ", "")
     assert post(gateway, chat(ignore_eos=True), "sk-pro").json()["usage"]["completion_tokens"] == 16
+
+
+def test_a_capped_body_is_rewritten_whatever_unicode_the_client_sent(gateway: GatewayProcess) -> None:
+    # a lone surrogate is valid JSON; the body with the tier's cap written in must still encode
+    raw = b'{"model":"llama-8b","messages":[{"role":"user","content":"\\ud800 hi"}],"ignore_eos":true}'
+    resp = httpx.post(gateway.url + "/v1/chat/completions", content=raw, timeout=30,
+                      headers={"authorization": "Bearer sk-free", "content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 12
+
+
+def test_more_choices_than_allowed_is_a_400(gateway: GatewayProcess) -> None:
+    # n=2 is let through to the pod (the simulator itself answers only n=1, with its own 400)
+    assert post(gateway, chat(n=2, max_tokens=2)).json()["error"]["code"] != "too_many_choices"
+    resp = post(gateway, chat(n=3, max_tokens=2))
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "n" and resp.json()["error"]["code"] == "too_many_choices"
