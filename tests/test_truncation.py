@@ -36,6 +36,7 @@ from tests.test_grpc_web import grpc_web
 from tests.test_h2_server import client_context
 from tests.test_h3_server import h3_client
 from transports.pod_client import PodBrokenError, PodClient, PodLineTooLong
+from transports.sse import stream_incomplete
 from transports.tls import self_signed
 
 FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "1"]
@@ -510,5 +511,29 @@ async def test_the_close_ends_a_body_only_when_it_has_no_length(framing: str) ->
     else:
         with pytest.raises(PodBrokenError):
             await resp.read_all()
+    await client.close()
+    server.close()
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        [b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DO', b"NE]\n", b"\n"],
+        [b"data: [DONE]\r", b"\n", b"\r\n"],  # CRLF lines, the blank line split across reads
+        [b"data: [DONE]\n", b"\r\n"],  # a legal mix of line endings
+    ],
+)
+async def test_a_last_event_split_over_several_reads_is_still_whole(ending: list[bytes]) -> None:
+    pieces = [SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n", _chunk(ROLE), _chunk(HELLO)]
+    pieces += [_chunk(piece) for piece in ending] + [b"0\r\n\r\n"]
+    server, port = await _one_answer(pieces, gap_s=0.05)  # apart, so each piece is a read of its own
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/", [], b"")
+    resp.max_line = 1024 * 1024  # an SSE stream, as the relay sets it
+    got = bytearray()
+    resp.splice(got.extend)
+    await asyncio.wait_for(resp.done, 10)
+    assert resp.chunks >= 2 + len(ending)
+    assert stream_incomplete(resp.previous + resp.last) is None, resp.previous + resp.last
     await client.close()
     server.close()

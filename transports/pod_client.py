@@ -22,6 +22,7 @@ from collections.abc import Callable
 import httptools
 
 from transports.hangups import shut_down_fd
+from transports.sse import EVENT_ENDS
 
 Writer = Callable[[bytes], None]
 Key = tuple[str, int, bool]  # host, port, TLS
@@ -48,6 +49,7 @@ class PodLineTooLong(PodBrokenError):
 
 
 NO_LIMIT = 1 << 62
+_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept across reads split inside an event
 
 
 class PodResponse:
@@ -88,7 +90,13 @@ class PodResponse:
         if body[0] != 58 or b"\ndata:" in body:  # a read of only SSE comments (b":...") is no progress
             self.last_at = self._now()
         self.chunks += 1
-        self.previous = self.last
+        # ``previous + last`` must hold the stream's last whole event for the end-of-stream verdict:
+        # a read that stopped inside an event is kept with the ones before it (rare, and bounded)
+        last = self.last
+        if last.endswith(EVENT_ENDS) or len(self.previous) > _TAIL_BYTES or self.max_line == NO_LIMIT:
+            self.previous = last
+        else:
+            self.previous += last
         self.last = body
         # An endless line (or one huge event) ends the answer: the bytes since the last newline are
         # counted with one rfind, and only for a read that does not end with one (a token's does).

@@ -20,7 +20,7 @@ class MalformedEvent(ValueError):
     """An SSE ``data:`` payload that is neither ``[DONE]`` nor a JSON object."""
 
 
-_BLANK_LINE = re.compile(rb"\r\n\r\n|\n\n")
+_BLANK_LINE = re.compile(rb"\r\n\r\n|\n\r\n|\r\r\n|\n\n|\r\r")  # the same ends as EVENT_ENDS
 
 
 def _event_end(buf: bytes, start: int) -> tuple[int, int]:
@@ -112,13 +112,14 @@ def error_event(payload: bytes) -> bytes:
 
 # -- end of stream: was the answer whole? ------------------------------------------------------------
 
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# A blank line ends an event; a line ends with CRLF, LF or CR, in any mix (the SSE spec).
+EVENT_ENDS = (b"\n\n", b"\n\r\n", b"\r\r\n", b"\r\r")
 FINISH_MARKS = (b'"finish_reason":"', b'"finish_reason": "')  # compact (vLLM) and spaced JSON
 
 
 def ends_event(buf: bytes) -> bool:
     """Whether ``buf`` stops on an event boundary (a blank line), not inside an event."""
-    return buf.endswith(_EVENT_ENDS)
+    return buf.endswith(EVENT_ENDS)
 
 
 def _events(buf: bytes) -> list[bytes]:
