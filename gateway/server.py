@@ -195,6 +195,7 @@ def extra_listeners(config: Config) -> ExtraListeners:
             control_frames_per_s=lim.h2_control_frames_per_s, control_frame_burst=lim.h2_control_frame_burst,
             max_outbound_control_frames=lim.h2_max_outbound_control_frames,
             max_empty_frames=lim.h2_max_empty_frames, send_stall_s=lim.h2_send_stall_s,
+            max_window_updates_per_data_frame=lim.h2_max_window_updates_per_data_frame,
         ),
     )
     tls = config.server.tls

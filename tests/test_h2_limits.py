@@ -98,6 +98,23 @@ def test_empty_data_frames_get_goaway(target: Target) -> None:
     assert target.arrivals() == arrivals  # the request never completed: the pod never heard of it
 
 
+def test_window_update_flood_gets_goaway(target: Target) -> None:
+    cpu = target.cpu_s()
+    report = asyncio.run(attacks.window_update_flood(target.host, target.port, count=200_000))
+    assert report.goaway_code == CALM and report.closed
+    assert target.cpu_s() - cpu < 2
+
+
+def test_a_long_download_may_grant_window_as_it_reads() -> None:
+    """The window-update allowance grows with the DATA frames sent: a client that acknowledges every
+    frame it reads, one WINDOW_UPDATE each for the stream and the connection, is never cut off."""
+    from transports.h2_guard import FloodGuard, H2Limits
+
+    guard = FloodGuard(H2Limits(), clock=lambda: 0.0)
+    guard.opened(1)
+    assert not any(guard.window_update(sent) for sent in range(1, 100_000) for _ in range(2))
+
+
 def test_continuation_flood_is_cut_off(target: Target) -> None:
     rss = target.rss_mb()
     for payload in (b"", b"x" * 16_000):  # empty frames, and 16 KB ones (memory)

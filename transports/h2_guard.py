@@ -16,6 +16,10 @@ What is counted (see docs/hardening.md for the defaults and where they come from
   ``max_outbound_control_frames`` (Envoy's ``max_outbound_control_frames``) the connection goes.
 - **empty frames**: DATA frames with no payload and no END_STREAM, in a row
   (Envoy's ``max_consecutive_inbound_frames_with_empty_payload``).
+- **window updates**: a client grants credit as it reads DATA, so WINDOW_UPDATE frames beyond
+  ``max_window_updates_per_data_frame`` per DATA frame sent (plus one allowance per stream and a
+  small fixed one) are a flood: Envoy's ``max_inbound_window_update_frames_per_data_frame_sent``
+  (10) and its formula.
 
 Each ``FloodGuard`` method is called once per frame of its kind, from the protocol's event loop
 callback, and returns True when the connection must go. No method runs per DATA byte or per token.
@@ -39,6 +43,7 @@ class H2Limits:
     control_frame_burst: int = 1000
     max_outbound_control_frames: int = 1000
     max_empty_frames: int = 10
+    max_window_updates_per_data_frame: int = 10
     send_stall_s: float = 30.0  # a response chunk may wait this long for the client's window or reads
 
 
@@ -56,6 +61,7 @@ class FloodGuard:
         "premature",
         "reason",
         "streams",
+        "window_updates",
     )
 
     def __init__(self, limits: H2Limits, clock: Callable[[], float]) -> None:
@@ -68,6 +74,7 @@ class FloodGuard:
         self._last_refill = clock()
         self.outbound = 0  # control frames queued since the transport's buffer was last empty
         self.empty_run = 0
+        self.window_updates = 0
         self.reason = ""  # why the connection was cut off, once it is
 
     # -- streams ---------------------------------------------------------------------------------
@@ -121,6 +128,15 @@ class FloodGuard:
     def drained(self) -> None:
         """The transport's write buffer is empty: every queued control frame has gone out."""
         self.outbound = 0
+
+    def window_update(self, data_frames_sent: int) -> bool:
+        """A WINDOW_UPDATE arrived; ``data_frames_sent``: DATA frames sent on the connection so far."""
+        self.window_updates += 1
+        allowed = 5 + 2 * (self.streams + self.limits.max_window_updates_per_data_frame * data_frames_sent)
+        if self.window_updates > allowed:
+            self.reason = f"{self.window_updates} WINDOW_UPDATEs for {data_frames_sent} DATA frames sent"
+            return True
+        return False
 
     def empty_frame(self) -> bool:
         self.empty_run += 1

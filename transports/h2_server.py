@@ -120,6 +120,7 @@ class H2Protocol(asyncio.Protocol):
         self._write_waiters: list[AsgiStream] = []  # waiting for the transport to drain
         self._flush_handle: asyncio.Handle | None = None
         self._unflushed = 0  # body bytes framed since the last write
+        self.data_frames = 0  # DATA frames sent on this connection (see FloodGuard.window_update)
         self._fresh: set[int] = set()  # streams whose response HEADERS are framed and not yet written
         self._max_frame = self.h2.max_outbound_frame_size
         self.guard = FloodGuard(self.settings.limits, self.loop.time)
@@ -314,6 +315,9 @@ class H2Protocol(asyncio.Protocol):
                 self._calm()
 
     def _on_window_updated(self, event: h2.events.WindowUpdated) -> None:
+        if self.guard.window_update(self.data_frames):
+            self._calm()
+            return
         if not self._blocked:
             return
         if event.stream_id == 0:
@@ -401,6 +405,7 @@ class H2Protocol(asyncio.Protocol):
                 stream.lost()
                 return True
         self._unflushed += size
+        self.data_frames += 1  # what the window-update allowance is measured against
         if self._unflushed > FLUSH_AT:
             self._flush()  # an app that never yields must still meet the transport's high-water mark
         elif sid in self._fresh:

