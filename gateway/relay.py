@@ -221,7 +221,17 @@ class Relay:
     async def _admit(
         self, ex: Exchange, receive: Receive, headers: list[tuple[bytes, bytes]], route: str
     ) -> InferenceRequest:
-        body = await read_body(receive, headers, self.config.server.max_body_bytes)
+        # The whole body within the body deadline, whatever the transport: HTTP/1.1's protocol
+        # enforces it (and an idle one) itself; this bounds an HTTP/2 or HTTP/3 body that trickles.
+        seconds = self.config.server.limits.body_timeout_s
+        try:
+            async with asyncio.timeout(seconds):
+                body = await read_body(receive, headers, self.config.server.max_body_bytes)
+        except TimeoutError:
+            raise GatewayError(
+                408, f"The request body did not arrive within {seconds:g} s.",
+                "invalid_request_error", "request_timeout",
+            ) from None
         ex.req = req = parse_request(route, body)
         return req
 

@@ -20,7 +20,7 @@ from loadtest.attacks import h2 as attacks
 from loadtest.attacks.h2 import SteadyReport, steady_streams
 from tests.test_h1_limits import Target, limited_gateway
 
-LIMITS = {"head_timeout_s": 1.0, "h2_send_stall_s": 2.0}
+LIMITS = {"head_timeout_s": 1.0, "h2_send_stall_s": 2.0, "body_timeout_s": 1.5}
 CALM = ErrorCodes.ENHANCE_YOUR_CALM
 
 
@@ -113,6 +113,14 @@ def test_a_long_download_may_grant_window_as_it_reads() -> None:
     guard = FloodGuard(H2Limits(), clock=lambda: 0.0)
     guard.opened(1)
     assert not any(guard.window_update(sent) for sent in range(1, 100_000) for _ in range(2))
+
+
+def test_a_trickled_body_gets_408_at_the_body_deadline(target: Target) -> None:
+    arrivals = target.arrivals()
+    report = asyncio.run(attacks.slow_body(target.host, target.port, interval_s=0.2, wait_s=10))
+    assert report.statuses == {408: 1}
+    assert report.sent < 100  # answered while the body was still trickling in
+    assert target.arrivals() == arrivals
 
 
 def test_continuation_flood_is_cut_off(target: Target) -> None:

@@ -340,6 +340,26 @@ async def silent(host: str, port: int, preface: bool = True, wait_s: float = 30.
     return await conn.drain_reads(wait_s)
 
 
+async def slow_body(host: str, port: int, interval_s: float = 1.0, wait_s: float = 40.0,
+                    body_bytes: int = 100) -> H2Report:
+    """A request whose body announces ``body_bytes`` and then arrives one byte per ``interval_s``:
+    HTTP/2's slow POST. Reports the answer (its :status) or the reset that ended it."""
+    conn = await Conn.open(host, port)
+    headers = request_headers(host, port, content_length=body_bytes)
+    await conn.send(conn.headers(1, headers, end_stream=False))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while conn.report.sent < body_bytes and loop.time() < deadline:
+        if await conn.until(lambda: conn.report.statuses or conn.report.resets, interval_s):
+            break
+        last = conn.report.sent == body_bytes - 1
+        if not await conn.send(DataFrame(1, data=b" ", flags=["END_STREAM"] if last else []).serialize()):
+            break
+        conn.report.sent += 1
+    await conn.until(lambda: conn.report.statuses or conn.report.resets, max(0.0, deadline - loop.time()))
+    return await conn.drain_reads(0.1)
+
+
 async def closed_window(host: str, port: int, max_tokens: int = 200, wait_s: float = 30.0) -> H2Report:
     """A request whose client announces a zero stream window and never opens it: the answer cannot
     flow. Reports the RST_STREAM the server sends when its send-stall deadline passes."""
