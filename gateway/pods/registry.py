@@ -234,7 +234,9 @@ class PodRegistry:
         """
         routable = [p for p in candidates if p.routable]
         threshold = self.health_config.panic_threshold_percent
-        if threshold > 0:
+        # live pods are a subset of the candidates: only when too few of *those* are routable can a
+        # panic be due, so the usual request (every pod healthy) does not build the second list
+        if len(routable) * 100 < threshold * len(candidates):
             alive = [p for p in candidates if p.alive]
             if len(routable) * 100 < threshold * len(alive):
                 self._set_mode("panic", model, self.panicking, True)
