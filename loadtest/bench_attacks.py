@@ -27,7 +27,6 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gateway.rlimits import raise_open_file_limit
@@ -38,11 +37,9 @@ from loadtest.loadgen import percentile
 from loadtest.nginx import free_port
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from loadtest.report import replace_marked_section
+from loadtest.report import command_line, publish
 from transports.tls import self_signed
 
-MD_BEGIN = "<!-- bench:attacks:begin -->"
-MD_END = "<!-- bench:attacks:end -->"
 HOST = "127.0.0.1"
 WINDOW_S = 10.0  # each row lasts at least this long
 
@@ -256,11 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if pin:  # attackers, the well-behaved client and the pod stay off the gateway's core
         os.sched_setaffinity(0, {LOAD_CORE})
     rows = run(args.only or list(ATTACKS), pin)
-    command = "python -m loadtest.bench_attacks " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(rows, command.strip())
-    print(section)
-    if args.write_md:
-        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+    command = command_line("loadtest.bench_attacks", argv)
+    publish(render(rows, command), args.write_md, "attacks")
     failed = [r for r in rows if r["steady_failed"] or not r["steady_completed"]]
     return 1 if failed else 0
 

@@ -43,10 +43,8 @@ from loadtest.bench import (
 from loadtest.fincap import FinCapture
 from loadtest.loadgen import percentile
 from loadtest.nginx import NginxProcess, nginx_binary
-from loadtest.report import replace_marked_section
+from loadtest.report import command_line, publish
 
-MD_BEGIN = "<!-- bench:disconnects:begin -->"
-MD_END = "<!-- bench:disconnects:end -->"
 POD = Scenario("disconnects", "disconnects", streams=2000, requests=1, max_tokens=4000, itl_ms=20.0)
 HOLD_FIRST_TOKEN = "x-podsim-fault: first_token_delay_ms=60000\r\n"
 
@@ -280,11 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_target(target, args.clients, args.singles, pin)
         print(f"bench_disconnects: {json.dumps(result)}", file=sys.stderr, flush=True)
         results.append(result)
-    command = "python -m loadtest.bench_disconnects " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(results, command.strip(), pin)
-    print(section)
-    if args.write_md:
-        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+    command = command_line("loadtest.bench_disconnects", argv)
+    publish(render(results, command, pin), args.write_md, "disconnects")
     ok = all(r["aborts_seen"] == r["clients"] for r in results)
     return 0 if ok else 1
 

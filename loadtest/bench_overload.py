@@ -36,7 +36,7 @@ from loadtest.loadgen import LoadSpec, percentile, run_load
 from loadtest.nginx import NginxProcess, nginx_binary
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from loadtest.report import replace_marked_section
+from loadtest.report import command_line, publish
 
 MODEL = "bench-model"
 
@@ -257,12 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {LOAD_CORE})
     rows = run(args.streams, args.seconds, args.soak_seconds, args.tokens, pin, args.hogs,
                args.targets.split(","), args.health_delay_ms)
-    command = "python -m loadtest.bench_overload " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(rows, command.strip())
-    print(section)
-    if args.write_md:
-        marks = (f"<!-- bench:{args.section}:begin -->", f"<!-- bench:{args.section}:end -->")
-        replace_marked_section(Path(args.write_md), *marks, section)
+    command = command_line("loadtest.bench_overload", argv)
+    publish(render(rows, command), args.write_md, args.section)
     failed = [r for r in rows if r["target"] != "nginx" and (r["errors"] or r["to_unhealthy"])]
     return 1 if failed else 0
 

@@ -38,7 +38,6 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -48,10 +47,8 @@ from loadtest.dcgmsim import DcgmsimProcess
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from loadtest.report import replace_marked_section
+from loadtest.report import command_line, publish
 
-MD_BEGIN = "<!-- bench:reaction:begin -->"
-MD_END = "<!-- bench:reaction:end -->"
 MODEL = "llama-8b"
 CHAT = {
     "model": MODEL,
@@ -418,11 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     if pin:  # the gateway alone on its core; this process and the simulators (its children) on the other
         os.sched_setaffinity(0, {LOAD_CORE})
     result = run(args.rounds, args.interval, args.clients, tuple(args.scenario or SCENARIOS), pin)
-    command = "python -m loadtest.bench_reaction " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(result, command.strip())
-    print(section)
-    if args.write_md:
-        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+    command = command_line("loadtest.bench_reaction", argv)
+    publish(render(result, command), args.write_md, "reaction")
     return 1 if problems(result) else 0
 
 

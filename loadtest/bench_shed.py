@@ -19,7 +19,6 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -28,10 +27,8 @@ from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin, cpu_delta_s, cpu_tick
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from loadtest.report import replace_marked_section
+from loadtest.report import command_line, publish
 
-MD_BEGIN = "<!-- bench:shed:begin -->"
-MD_END = "<!-- bench:shed:end -->"
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 CHAT["stream"] = True
 
@@ -170,11 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if pin:  # before starting anything: the pods, like this client, stay off the gateway's core
         os.sched_setaffinity(0, {LOAD_CORE})
     rows = run(args.requests, pin)
-    command = "python -m loadtest.bench_shed " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(rows, command.strip())
-    print(section)
-    if args.write_md:
-        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+    command = command_line("loadtest.bench_shed", argv)
+    publish(render(rows, command), args.write_md, "shed")
     return 0 if all(r["statuses"] == {429: r["requests"]} for r in rows) else 1
 
 

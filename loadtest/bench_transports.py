@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -51,14 +50,12 @@ from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin, cpu_delta_s, cpu_tick
 from loadtest.loadgen import percentile
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
-from loadtest.report import replace_marked_section
+from loadtest.report import command_line, publish
 from transports import grpc_web
 from transports.h3_client import H3ClientConnection
 from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.tls import self_signed
 
-MD_BEGIN = "<!-- bench:transports:begin -->"
-MD_END = "<!-- bench:transports:end -->"
 MODEL = "llama-8b"
 CHAT_PATH = "/v1/chat/completions"
 GRPC_PATH = "/sluicegate.v1.Inference/StreamChatCompletion"
@@ -396,11 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if pin:  # before starting anything: the pod, like the clients, stays off the gateway's core
         os.sched_setaffinity(0, {LOAD_CORE})
     rows = run(args.streams, args.tokens, args.runs, pin)
-    command = "python -m loadtest.bench_transports " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(rows, command.strip(), args.streams, args.tokens)
-    print(section)
-    if args.write_md:
-        replace_marked_section(Path(args.write_md), MD_BEGIN, MD_END, section)
+    command = command_line("loadtest.bench_transports", argv)
+    publish(render(rows, command, args.streams, args.tokens), args.write_md, "transports")
     return 0
 
 

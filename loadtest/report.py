@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -15,3 +16,16 @@ def replace_marked_section(path: Path, begin: str, end: str, section: str) -> No
     else:
         text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
     path.write_text(text)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How a benchmark was run (``python -m MODULE ARGS``), for the first line of its report."""
+    return f"python -m {module} {' '.join(sys.argv[1:] if argv is None else argv)}".strip()
+
+
+def publish(section: str, write_md: str | None, name: str) -> None:
+    """Print a benchmark's report and, with ``write_md``, put it in that file's ``bench:NAME`` section."""
+    print(section)
+    if write_md:
+        replace_marked_section(Path(write_md), f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->",
+                               section)
