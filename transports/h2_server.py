@@ -115,8 +115,8 @@ class H2Protocol(asyncio.Protocol):
         self.cut_off = False  # GOAWAY sent for an error: what the client sends now is dropped
         self.idle_timeout_s: float = config.timeout_keep_alive
         self._idle_timer: asyncio.TimerHandle | None = None
-        # waiting for window: the chunk's rest, END_STREAM, and since when (loop time)
-        self._blocked: dict[int, tuple[AsgiStream, memoryview, bool, float]] = {}
+        # waiting for window: the chunk's rest and END_STREAM (AsgiStream times the wait)
+        self._blocked: dict[int, tuple[AsgiStream, memoryview, bool]] = {}
         self._write_waiters: list[AsgiStream] = []  # waiting for the transport to drain
         self._flush_handle: asyncio.Handle | None = None
         self._unflushed = 0  # body bytes framed since the last write
@@ -125,7 +125,6 @@ class H2Protocol(asyncio.Protocol):
         self._max_frame = self.h2.max_outbound_frame_size
         self.guard = FloodGuard(self.settings.limits, self.loop.time)
         self._priority_of_request: Any = None  # the PriorityUpdated h2 emits for a HEADERS' own flag
-        self._stall_timer: asyncio.TimerHandle | None = None
         self._write_stall_timer: asyncio.TimerHandle | None = None
         self._handlers = {
             h2.events.RequestReceived: self._on_request,
@@ -209,10 +208,9 @@ class H2Protocol(asyncio.Protocol):
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        for timer in (self._stall_timer, self._write_stall_timer):
-            if timer is not None:
-                timer.cancel()
-        self._stall_timer = self._write_stall_timer = None
+        if self._write_stall_timer is not None:
+            self._write_stall_timer.cancel()
+            self._write_stall_timer = None
         self._lose_all()
 
     def pause_writing(self) -> None:
@@ -276,7 +274,7 @@ class H2Protocol(asyncio.Protocol):
             if self.guard.refused():
                 self._calm()
             return
-        stream = AsgiStream(self, sid, scope)
+        stream = AsgiStream(self, sid, scope, self.settings.limits.send_stall_s)
         self.streams[sid] = stream
         self.guard.opened(sid)
         if self._idle_timer is not None:
@@ -396,10 +394,8 @@ class H2Protocol(asyncio.Protocol):
                 if size <= self._max_frame and size <= conn.local_flow_control_window(sid):
                     conn.send_data(sid, data, end_stream=end_stream)
                 else:
-                    self._blocked[sid] = (stream, memoryview(data), end_stream, self.loop.time())
+                    self._blocked[sid] = (stream, memoryview(data), end_stream)
                     self._push(sid)
-                    if sid in self._blocked and self._stall_timer is None:
-                        self._arm_stall_timer()
             except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
                 self._blocked.pop(sid, None)
                 stream.lost()
@@ -424,6 +420,16 @@ class H2Protocol(asyncio.Protocol):
             self.h2.acknowledge_received_data(size, stream.stream_id)
         except h2.exceptions.ProtocolError:
             return
+        self._flush_soon()
+
+    def stalled(self, stream: AsgiStream) -> None:
+        """A chunk waited ``send_stall_s`` for the client's window or reads: reset the stream (the
+        stream then reports itself lost, and the relay aborts the pod's generation)."""
+        self._blocked.pop(stream.stream_id, None)
+        logger.info("HTTP/2 client %s: stream %d stalled on flow control, reset", self.client,
+                    stream.stream_id)
+        with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.h2.reset_stream(stream.stream_id, ErrorCodes.CANCEL)
         self._flush_soon()
 
     def abort(self, stream: AsgiStream) -> None:
@@ -457,13 +463,13 @@ class H2Protocol(asyncio.Protocol):
 
     def _push(self, sid: int) -> None:
         """Send as much of a blocked stream's chunk as the window allows (in frame-sized pieces)."""
-        stream, view, end, since = self._blocked[sid]
+        stream, view, end = self._blocked[sid]
         conn = self.h2
         while True:
             size = min(len(view), conn.local_flow_control_window(sid), self._max_frame)
             last = size == len(view)
             if size <= 0 and not last:
-                self._blocked[sid] = (stream, view, end, since)
+                self._blocked[sid] = (stream, view, end)
                 return
             conn.send_data(sid, view[:size].tobytes(), end_stream=end and last)
             if last:
@@ -566,25 +572,6 @@ class H2Protocol(asyncio.Protocol):
         if transport.can_write_eof():
             transport.write_eof()
         self.loop.call_later(LINGER_S, transport.close)
-
-    def _arm_stall_timer(self) -> None:
-        earliest = min(entry[3] for entry in self._blocked.values())
-        self._stall_timer = self.loop.call_at(earliest + self.settings.limits.send_stall_s, self._stall_check)
-
-    def _stall_check(self) -> None:
-        """Reset the streams whose chunk has waited ``send_stall_s`` for the client's window."""
-        self._stall_timer = None
-        cutoff = self.loop.time() - self.settings.limits.send_stall_s
-        for sid, (stream, _, _, since) in list(self._blocked.items()):
-            if since <= cutoff:
-                del self._blocked[sid]
-                logger.info("HTTP/2 client %s: stream %d stalled on flow control, reset", self.client, sid)
-                with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                    self.h2.reset_stream(sid, ErrorCodes.CANCEL)
-                stream.lost()  # the relay closes the pod request: the generation is aborted
-        if self._blocked:
-            self._arm_stall_timer()
-        self._flush_soon()
 
     def _write_stalled(self) -> None:
         """The transport stayed above its high-water mark ``send_stall_s``: the client stopped reading."""
