@@ -101,10 +101,10 @@ class Gateway:
         self.relay.hangups = HangupWatcher()
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.
-        await refresh_all(self.registry, self._session, discovery, self.metrics)
+        await refresh_all(self.registry, discovery, self.metrics)
         loops = [
             asyncio.create_task(
-                discovery_loop(self.registry, self.session, discovery, self.metrics), name="discovery"
+                discovery_loop(self.registry, discovery, self.metrics), name="discovery"
             ),
             asyncio.create_task(self.monitor.run(), name="pod-monitor"),
         ]

@@ -7,44 +7,55 @@ Unreachable pods are asked again sooner (``retry_interval_s``) than healthy ones
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Callable
-
-import aiohttp
 
 from gateway.config import DiscoveryConfig
 from gateway.metrics import GatewayMetrics
+from gateway.pods.prober import probe_get
 from gateway.pods.registry import Pod, PodRegistry
 
 log = logging.getLogger("sluicegate.discovery")
 
 
-async def probe(pod: Pod, session: aiohttp.ClientSession, timeout_s: float) -> frozenset[str]:
-    """The model ids the pod lists at ``/v1/models``; raises on any failure."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with session.get(pod.url + "/v1/models", timeout=timeout) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"/v1/models answered HTTP {resp.status}")
-        payload = await resp.json(content_type=None)
+MAX_MODELS_BODY = 4 * 1024 * 1024  # a model list (LoRA adapters included) is far smaller
+
+
+class ProbeTimeout(Exception):
+    """The pod did not answer ``/v1/models`` within the probe timeout."""
+
+
+async def probe(pod: Pod, timeout_s: float) -> frozenset[str]:
+    """The model ids the pod lists at ``/v1/models``; raises on any failure.
+
+    Timed on a thread (``prober``), as the health probes are, so a busy event loop is not taken
+    for a slow pod."""
+    loop = asyncio.get_running_loop()
+    result = await loop.run_in_executor(
+        None, probe_get, pod.host, pod.port, pod.tls, "/v1/models", timeout_s, MAX_MODELS_BODY
+    )
+    if not result.hard:
+        raise ProbeTimeout(f"/v1/models {result.detail}")
+    if not result.ok:
+        raise RuntimeError(f"/v1/models: {result.detail}")
+    payload = json.loads(result.body)
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list):
         raise RuntimeError("/v1/models did not return an OpenAI model list")
     return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
 
 
-async def refresh_pod(
-    pod: Pod, session: aiohttp.ClientSession, config: DiscoveryConfig, metrics: GatewayMetrics
-) -> bool:
+async def refresh_pod(pod: Pod, config: DiscoveryConfig, metrics: GatewayMetrics) -> bool:
     """Probe one pod and record the result in the registry entry. Returns whether the models changed."""
     before = pod.models
     try:
-        models = await probe(pod, session, config.probe_timeout_s)
-    except TimeoutError:
+        models = await probe(pod, config.probe_timeout_s)
+    except ProbeTimeout as exc:
         if not pod.serving(time.monotonic()):
-            _unreachable(pod, f"/v1/models timed out after {config.probe_timeout_s:g} s")
+            _unreachable(pod, str(exc))
         # else: slow under load while live traffic gets answers; overload is not absence
-    except (aiohttp.ClientError, RuntimeError, ValueError, RecursionError) as exc:
+    except (RuntimeError, ValueError, RecursionError) as exc:
         _unreachable(pod, str(exc)[:200] or type(exc).__name__)
     else:
         if not pod.reachable:
@@ -67,24 +78,16 @@ def _unreachable(pod: Pod, why: str) -> None:
 
 async def refresh_all(
     registry: PodRegistry,
-    session: aiohttp.ClientSession,
     config: DiscoveryConfig,
     metrics: GatewayMetrics,
     pods: tuple[Pod, ...] | None = None,
 ) -> None:
-    changed = await asyncio.gather(
-        *(refresh_pod(p, session, config, metrics) for p in (pods or registry.pods))
-    )
+    changed = await asyncio.gather(*(refresh_pod(p, config, metrics) for p in (pods or registry.pods)))
     if any(changed):
         registry.reindex()
 
 
-async def discovery_loop(
-    registry: PodRegistry,
-    session: Callable[[], aiohttp.ClientSession],
-    config: DiscoveryConfig,
-    metrics: GatewayMetrics,
-) -> None:
+async def discovery_loop(registry: PodRegistry, config: DiscoveryConfig, metrics: GatewayMetrics) -> None:
     """Keep every pod's models and reachability current until cancelled."""
     next_full = time.monotonic() + config.refresh_interval_s
     while True:
@@ -94,9 +97,9 @@ async def discovery_loop(
         try:
             if now >= next_full:
                 next_full = now + config.refresh_interval_s
-                await refresh_all(registry, session(), config, metrics)
+                await refresh_all(registry, config, metrics)
             elif down:
-                await refresh_all(registry, session(), config, metrics, down)
+                await refresh_all(registry, config, metrics, down)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug in one round must not end discovery for good

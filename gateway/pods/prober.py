@@ -1,4 +1,5 @@
-"""``GET /health`` probes timed on threads of their own, not on the gateway's event loop.
+"""Probes of a pod (``GET /health``, discovery's ``GET /v1/models``) timed on threads of their own,
+not on the gateway's event loop.
 
 Why: a probe awaited on the event loop is timed by the loop. At hundreds of concurrent streams the
 loop is busy relaying tokens, and a probe whose answer sits in the socket buffer is not read until
@@ -29,6 +30,7 @@ class ProbeResult:
     hard: bool  # the pod answered or refused; False for a timeout
     detail: str
     seconds: float
+    body: bytes = b""
 
     @property
     def outcome(self) -> str:
@@ -43,6 +45,14 @@ def _tls_context() -> ssl.SSLContext:
 
 def probe_health(host: str, port: int, tls: bool, timeout_s: float) -> ProbeResult:
     """One ``GET /health`` within ``timeout_s`` in all (blocking: run it on a thread)."""
+    return probe_get(host, port, tls, "/health", timeout_s)
+
+
+def probe_get(
+    host: str, port: int, tls: bool, path: str, timeout_s: float, max_body: int = 4096
+) -> ProbeResult:
+    """One ``GET path`` within ``timeout_s`` in all, keeping up to ``max_body`` bytes of the answer
+    (blocking: run it on a thread). A longer body is a hard failure: the pod answered nonsense."""
     started = time.perf_counter()
     deadline = started + timeout_s
     conn: http.client.HTTPConnection
@@ -54,10 +64,13 @@ def probe_health(host: str, port: int, tls: bool, timeout_s: float) -> ProbeResu
         conn.connect()
         assert conn.sock is not None
         conn.sock.settimeout(max(0.001, deadline - time.perf_counter()))
-        conn.request("GET", "/health", headers=_HEADERS)
+        conn.request("GET", path, headers=_HEADERS)
         resp = conn.getresponse()
-        resp.read(4096)
-        return ProbeResult(resp.status == 200, True, f"HTTP {resp.status}", time.perf_counter() - started)
+        body = resp.read(max_body + 1)
+        elapsed = time.perf_counter() - started
+        if len(body) > max_body:
+            return ProbeResult(False, True, f"answer larger than {max_body} bytes", elapsed)
+        return ProbeResult(resp.status == 200, True, f"HTTP {resp.status}", elapsed, body)
     except TimeoutError:
         return ProbeResult(False, False, f"timed out after {timeout_s:g} s", time.perf_counter() - started)
     except (OSError, http.client.HTTPException) as exc:
