@@ -18,6 +18,8 @@ from gateway.errors import GatewayError, bad_request
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# Each route's path on the pod.
+ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass(slots=True)

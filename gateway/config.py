@@ -7,6 +7,7 @@ a traceback.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -44,6 +45,20 @@ class MigIdentity(_Frozen):
         return self
 
 
+class PodCredentials(_Frozen):
+    """The gateway's own API key for pods started with vLLM's ``--api-key``: read from an environment
+    variable or a file (a mounted Kubernetes Secret), never written in the config itself."""
+
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    api_key_file: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PodCredentials:
+        if (self.api_key_env is None) == (self.api_key_file is None):
+            raise ValueError("set exactly one of api_key_env or api_key_file")
+        return self
+
+
 class PodConfig(_Frozen):
     """One inference pod (an OpenAI-compatible server such as vLLM)."""
 
@@ -52,6 +67,9 @@ class PodConfig(_Frozen):
     models: tuple[str, ...] = ()
     mig: MigIdentity | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    credentials: PodCredentials | None = Field(
+        default=None, description="the API key this pod wants (vLLM --api-key); default: upstream.credentials"
+    )
 
     @field_validator("url")
     @classmethod
@@ -126,6 +144,25 @@ class H3LimitsConfig(_Frozen):
     send_stall_s: float = Field(default=30.0, gt=0, description="no room to send: reset")
 
 
+class CorsConfig(_Frozen):
+    """Which web origins may call the OpenAI endpoints from a browser (preflights are answered by the
+    gateway itself). Empty: none (same-origin pages and non-browser clients are unaffected)."""
+
+    allow_origins: tuple[str, ...] = Field(
+        default=(), description='origins such as https://app.example.com, or "*" for any'
+    )
+    max_age_s: int = Field(default=600, ge=0, description="how long a browser may cache a preflight")
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            parts = urlsplit(value)
+            if value != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
+                raise ValueError(f"{value!r} is not an origin such as https://app.example.com (or \"*\")")
+        return values
+
+
 class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -142,6 +179,36 @@ class ServerConfig(_Frozen):
     limits: ClientLimitsConfig = ClientLimitsConfig()
     h3_limits: H3LimitsConfig = H3LimitsConfig()
     tls: TlsConfig | None = None
+    trusted_proxies: tuple[str, ...] = Field(
+        default=(),
+        description="addresses or CIDRs (e.g. 10.0.0.0/8) whose X-Forwarded-For is believed; default: none",
+    )
+    cors: CorsConfig = CorsConfig()
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address or CIDR such as 10.0.0.0/8") from None
+        return values
+
+
+class UpstreamTlsConfig(_Frozen):
+    """TLS to pods with https:// URLs: whom to trust, and the gateway's client certificate (mTLS)."""
+
+    ca_bundle: str | None = Field(default=None, description="PEM CA file; default: the system's trust store")
+    client_cert: str | None = Field(default=None, description="PEM certificate for mTLS")
+    client_key: str | None = Field(default=None, description="its PEM private key")
+    server_name: str | None = Field(default=None, description="the name to verify; default: the pod's host")
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> UpstreamTlsConfig:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together (mTLS needs both)")
+        return self
 
 
 class UpstreamConfig(_Frozen):
@@ -155,6 +222,10 @@ class UpstreamConfig(_Frozen):
         ge=4096,
         description="an SSE line longer than this (or more bytes before the first token) is a broken stream",
     )
+    credentials: PodCredentials | None = Field(
+        default=None, description="the API key sent to every pod that sets none of its own"
+    )
+    tls: UpstreamTlsConfig = UpstreamTlsConfig()
 
 
 class StageOverrides(_Frozen):
@@ -252,16 +323,78 @@ class DegradeConfig(_Frozen):
     inter_token_p95_ms: float = Field(gt=0, description="degrade when the pod's recent p95 gap is over this")
 
 
-class TierConfig(_Frozen):
-    """A class of callers (chosen by API key or a trusted header) with its own timeouts."""
+class QuotaConfig(_Frozen):
+    """How much one API key may take (a tier's quota applies to each of its keys on its own).
 
-    api_keys: tuple[str, ...] = ()
+    Per clock minute (fixed windows, as Envoy's rate limit service counts): requests, and tokens
+    (prompt + completion, reserved at admission and settled at the end); and streams at once.
+    Unset: unlimited."""
+
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1, description="streams in flight at once")
+    on_store_down: Literal["fail_open", "fail_closed"] = Field(
+        default="fail_open",
+        description="Redis unreachable: fail_open counts locally at limit / quotas.replicas; "
+        "fail_closed answers 503",
+    )
+
+
+class TierConfig(_Frozen):
+    """A class of callers (chosen by their API key, or a trusted header when auth is off)."""
+
+    api_keys: tuple[str, ...] = Field(default=(), description="removed: keys live in the key store")
+    quota: QuotaConfig | None = None
     timeouts: StageOverrides = StageOverrides()
     criticality: Criticality = "standard"
     degrade: DegradeConfig | None = None
     max_tokens: int | None = Field(default=None, ge=1, description="default: server.max_tokens")
     max_messages: int | None = Field(default=None, ge=1, description="default: server.max_messages")
     max_choices: int | None = Field(default=None, ge=1, description="default: server.max_choices")
+
+
+class AuthConfig(_Frozen):
+    """Who may call: API keys from a key store file (``sluicegate keys``), reloaded when it changes."""
+
+    enabled: bool = True
+    keys_file: str = Field(default="keys.yaml", min_length=1, description="the key store (hashes only)")
+    reload_interval_s: float = Field(default=1.0, gt=0, description="how often the file is checked")
+
+
+class QuotasConfig(_Frozen):
+    """Where quota counters live: in this process, or in Redis shared by every replica."""
+
+    redis_url: str | None = Field(
+        default=None, description="redis://HOST:PORT/DB; default: in-process counters"
+    )
+    timeout_ms: float = Field(
+        default=20.0, gt=0, description="one admission round trip; slower: Redis counts as down"
+    )
+    replicas: int = Field(
+        default=1, ge=1, description="gateway replicas sharing Redis (fail_open divides limits by it)"
+    )
+    lease_ttl_s: float = Field(
+        default=30.0, gt=0, description="a concurrency lease not renewed in time expires"
+    )
+    breaker_open_s: float = Field(default=2.0, gt=0, description="after a Redis failure, skip it this long")
+    key_prefix: str = Field(default="sluicegate:quota:", min_length=1)
+    chars_per_token: float = Field(default=4.0, gt=0, description="prompt estimate at admission")
+    default: QuotaConfig | None = Field(default=None, description="for keys whose tier sets no quota")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL, e.g. redis://127.0.0.1:6379/0")
+        return value
+
+
+class AdminConfig(_Frozen):
+    """The admin plane (``/admin/*``, ``/metrics``): its own listener, never the public port."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=9090, ge=0, le=65535)
 
 
 class AffinityConfig(_Frozen):
@@ -391,6 +524,7 @@ class KubernetesDiscoveryConfig(_Frozen):
     model_label: str = "model"
     api_url: str | None = Field(default=None, description="default: in-cluster, else kubeconfig")
     kubeconfig: str | None = None
+    credentials: PodCredentials | None = Field(default=None, description="for the pods it finds")
 
 
 class DnsDiscoveryConfig(_Frozen):
@@ -400,6 +534,7 @@ class DnsDiscoveryConfig(_Frozen):
     port: int = Field(ge=1, le=65535)
     models: tuple[str, ...] = ()
     interval_s: float = Field(default=5.0, gt=0)
+    credentials: PodCredentials | None = Field(default=None, description="for the pods it finds")
 
 
 class DiscoveryConfig(_Frozen):
@@ -435,6 +570,9 @@ class Config(_Frozen):
     health: HealthConfig = HealthConfig()
     shedding: SheddingConfig = SheddingConfig()
     affinity: AffinityConfig | None = None
+    auth: AuthConfig = AuthConfig()
+    quotas: QuotasConfig = QuotasConfig()
+    admin: AdminConfig = AdminConfig()
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
 
@@ -471,15 +609,31 @@ class Config(_Frozen):
                 raise ValueError(_over_total(problems))
         return tiers
 
+    @model_validator(mode="after")
+    def _token_quotas_have_a_cap(self) -> Config:
+        # Admission reserves each request's max_tokens: without a cap a request could reserve (and
+        # a pod generate) up to the model's whole context, so a token quota needs one.
+        where = [("quotas.default", self.quotas.default, self.server.max_tokens)]
+        for name, tier in self.tiers.items():
+            cap = tier.max_tokens if tier.max_tokens is not None else self.server.max_tokens
+            where.append((f"tiers.{name}.quota", tier.quota, cap))
+        for key, quota, cap in where:
+            if quota is not None and quota.tokens_per_minute is not None and cap is None:
+                raise ValueError(
+                    f"{key}.tokens_per_minute needs a max_tokens cap (the tier's max_tokens or "
+                    "server.max_tokens): admission reserves each request's max_tokens"
+                )
+        return self
+
     @field_validator("tiers")
     @classmethod
-    def _keys_name_one_tier(cls, tiers: dict[str, TierConfig]) -> dict[str, TierConfig]:
-        owner: dict[str, str] = {}
+    def _keys_in_the_store(cls, tiers: dict[str, TierConfig]) -> dict[str, TierConfig]:
         for name, tier in tiers.items():
-            for key in tier.api_keys:
-                if key in owner:
-                    raise ValueError(f"an API key is listed in both tier {owner[key]!r} and {name!r}")
-                owner[key] = name
+            if tier.api_keys:
+                raise ValueError(
+                    f"tier {name!r} lists api_keys: keys now live in the key store (auth.keys_file), "
+                    f"hashed; add each with: sluicegate keys create --tier {name}"
+                )
         return tiers
 
 

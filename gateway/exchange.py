@@ -30,11 +30,14 @@ class Exchange:
     """One request's context: what it asked, where it went, what happened (for logs and metrics)."""
 
     __slots__ = (
+        "admission",
         "affinity",
         "alt_svc",
         "attempts",
         "budget",
+        "caller",
         "chunks",
+        "client",
         "criticality",
         "cut",
         "deadline",
@@ -54,9 +57,12 @@ class Exchange:
         "status",
         "t0",
         "tier",
+        "tokens_relayed",
         "transport",
         "tried",
         "ttft",
+        "usage",
+        "usage_injected",
         "watch",
     )
 
@@ -88,6 +94,12 @@ class Exchange:
         self.resumes = 0
         self.held: list[tuple[Pod, PodResponse]] = []  # continuation pods and their answers
         self.headers: list[tuple[bytes, bytes]] = []
+        self.client = "-"  # the client's address (X-Forwarded-For only from a trusted proxy)
+        self.caller: Any = None  # gateway.auth Caller: the key's id, tier, models and rights
+        self.admission: Any = None  # gateway.quota Admission: what was reserved, settled at the end
+        self.usage_injected = False  # usage asked of the pod for quotas: strip it from the answer
+        self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens the pods reported
+        self.tokens_relayed = 0  # content events passed to the client (the charge when it leaves early)
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget

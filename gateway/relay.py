@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
+from gateway.admit import ROUTE_PATHS, ClientGone, InferenceRequest, parse_request, read_body, request_id
 from gateway.affinity import affinity_key
 from gateway.config import Config
 from gateway.deadlines import TimeoutPolicy
@@ -60,7 +60,6 @@ __all__ = ["DisconnectWatch", "Exchange", "Receive", "Relay", "Scope", "Send", "
 access_log = logging.getLogger("sluicegate.access")
 log = logging.getLogger("sluicegate.relay")
 
-ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _JSON = b"application/json"
 
 _CRITICALITY_RANK = {"sheddable": 0, "standard": 1, "critical": 2}

@@ -51,6 +51,8 @@ class GatewayProcess:
     def start(self) -> GatewayProcess:
         config_path = Path(self._dir.name) / "config.yaml"
         config = {**self.config, "server": {**self.config.get("server", {}), "port": 0}}
+        # Tests and benchmarks of other features run without keys unless their config names auth.
+        config.setdefault("auth", {"enabled": False})
         config_path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), *self.extra_args]
         if self.cpu is not None:
