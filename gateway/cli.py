@@ -1,5 +1,5 @@
-"""The ``sluicegate`` command: ``serve`` the gateway, run a ``podsim`` or a ``mig-agent``, or a local
-``demo`` of pods and gateway."""
+"""The ``sluicegate`` command: ``serve`` the gateway, run a ``podsim`` or a ``mig-agent``, a local
+``demo`` of pods and gateway, or manage API ``keys``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text:
+        if (
+            not action.option_strings or action.default is argparse.SUPPRESS or "default" in text
+            or action.required
+        ):
             return text
         default = action.default
         if default is None or default == [] or default is False:
@@ -96,6 +99,13 @@ Ctrl-C stops the gateway and the pods together.
 
 Configuration reference (every key and default): {reference}; the demo's own: {demo}"""
 
+_KEYS = """\
+Manage the API keys of a key store file (the config's auth.keys_file): 'create' makes a key,
+prints it once on stdout and stores only its hash, with its tier, the models it may use, its
+rights (admin: the admin API) and an optional expiry and quota; 'revoke' removes one; 'list'
+shows them (never the hashes). A running gateway picks up changes within auth.reload_interval_s,
+without a restart and without dropping streams. Reference: docs/configuration.md (auth.*)."""
+
 _PODSIM = """\
 Run one simulated vLLM pod: the OpenAI-compatible API with streaming, vLLM's /metrics names,
 a KV cache and scheduler modelled on a GPU or MIG slice, and faults injected per process
@@ -134,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _serve_arguments(serve, "none: built-in defaults, pods from --upstream")
+    serve.add_argument(
+        "--no-auth", action="store_true",
+        help="accept requests without an API key (auth.enabled: false), for local experiments only; "
+        "logged as a warning at start",
+    )
     demo = _subcommand(
         commands, "demo", "run simulated pods on MIG slices and the gateway in front of them",
         _DEMO.format(reference=CONFIG_REFERENCE, demo="config/demo.yaml"),
@@ -156,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.podsim.cli import add_arguments
 
     add_arguments(podsim)
+    keys = _subcommand(
+        commands, "keys", "create, revoke and list API keys (the key store)", _KEYS,
+        _epilog(
+            "sluicegate keys create --file keys.yaml --id alice --tier gold   # prints the key once",
+            "sluicegate keys create --file keys.yaml --id ops --right admin --expires 2027-01-01T00:00:00Z",
+            "sluicegate keys revoke --file keys.yaml alice",
+            "sluicegate keys list --file keys.yaml",
+            notes="exit status: 0, or 2 with one line on stderr (a bad key store, an unknown id)",
+        ),
+    )
+    from gateway.auth.keys_cli import add_arguments as add_keys_arguments
+
+    add_keys_arguments(keys, _HelpFormatter)
     agent = _subcommand(
         commands, "mig-agent", "serve this node's GPU and MIG-slice health from NVML (a DaemonSet)", _AGENT,
         _epilog(
@@ -182,7 +210,9 @@ def _name_unexplained_flags(parser: argparse.ArgumentParser) -> None:
 def resolve_config(args: argparse.Namespace) -> Config:
     """The config file (if any) with command-line flags applied on top."""
     base = load_config(args.config) if args.config else parse_config({})
-    config = with_overrides(base, host=args.host, port=args.port, upstreams=args.upstream)
+    config = with_overrides(
+        base, host=args.host, port=args.port, upstreams=args.upstream, no_auth=getattr(args, "no_auth", False)
+    )
     if not config.pods and not config.discovery.dynamic:
         raise ConfigError(
             "no pods are configured: pass --config FILE with a 'pods' list or discovery.kubernetes or "
@@ -202,14 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.migagent import run as run_agent
 
         return run_agent(args)
+    if args.command == "keys":
+        from gateway.auth.keys_cli import run as run_keys
+
+        return run_keys(args)
     try:
         config = resolve_config(args)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         return 2
+    from gateway.auth import warn_if_auth_off
     from gateway.server import configure_logging, serve
 
     configure_logging(args.log_level)
+    warn_if_auth_off(config)  # the key store itself is loaded (or refused, exit 2) by build_server
     if args.command == "demo":
         from gateway.demo import run_demo
 

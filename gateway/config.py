@@ -734,14 +734,18 @@ def with_overrides(
     host: str | None = None,
     port: int | None = None,
     upstreams: list[str] | None = None,
+    no_auth: bool = False,
 ) -> Config:
-    """Apply command-line flags on top of a file's config (flags win; ``--upstream`` adds pods)."""
+    """Apply command-line flags on top of a file's config (flags win; ``--upstream`` adds pods;
+    ``--no-auth`` turns auth off)."""
     raw = config.model_dump()
     raw["pods"] = list(raw["pods"])
     if host is not None:
         raw["server"]["host"] = host
     if port is not None:
         raw["server"]["port"] = port
+    if no_auth:
+        raw["auth"]["enabled"] = False
     if upstreams:
         names = {pod["name"] for pod in raw["pods"]}
         for index, url in enumerate(upstreams, start=1):

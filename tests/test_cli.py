@@ -15,7 +15,7 @@ import pytest
 from gateway.cli import CONFIG_REFERENCE, _HelpFormatter, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("serve", "demo", "podsim", "mig-agent")
+COMMANDS = ("serve", "demo", "podsim", "mig-agent", "keys")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -93,3 +93,33 @@ def test_the_examples_in_the_help_parse(command: str) -> None:
         argv = shlex.split(line)
         assert argv[0] == "sluicegate"
         build_parser().parse_args(argv[1:])  # exits (SystemExit) on a flag that does not exist
+
+
+def test_no_auth_turns_auth_off_over_the_config() -> None:
+    from gateway.cli import resolve_config
+
+    parser = build_parser()
+    on = resolve_config(parser.parse_args(["serve", "--upstream", "http://127.0.0.1:9"]))
+    assert on.auth.enabled  # on by default
+    off = resolve_config(parser.parse_args(["serve", "--upstream", "http://127.0.0.1:9", "--no-auth"]))
+    assert not off.auth.enabled and off.auth.keys_file == on.auth.keys_file
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("auth", "args"),
+    [({"enabled": True, "keys_file": "/nonexistent/keys.yaml"}, ["--no-auth"]), ({"enabled": False}, [])],
+)
+def test_a_gateway_without_auth_says_so_at_start(auth: dict[str, object], args: list[str]) -> None:
+    from loadtest.procs import GatewayProcess
+
+    config = {"auth": auth, "pods": [{"name": "a", "url": "http://127.0.0.1:9", "models": ["m"]}]}
+    gateway = GatewayProcess(config, extra_args=args).start()
+    try:
+        log = gateway.log_path.read_text()
+    finally:
+        gateway.stop()
+    warnings = [line for line in log.splitlines() if "auth is off" in line]
+    assert len(warnings) == 1, log
+    assert " WARNING sluicegate.auth: auth is off: anyone who can reach 127.0.0.1:" in warnings[0]
+    assert warnings[0].endswith(" can use the gateway")
