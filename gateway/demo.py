@@ -3,7 +3,10 @@
 For each configured pod on a loopback address, a pod simulator is started with that pod's port,
 models and MIG identity; then the gateway serves in front of them and prints examples that work
 as printed, with the address it listens on (not a name that may resolve elsewhere: browsers send
-``localhost`` to ``::1`` too). Everything stops together on Ctrl-C. A demo that cannot start (a
+``localhost`` to ``::1`` too). With auth on (as in ``config/demo.yaml``), each start writes a fresh
+key store with a demo key and an admin key, and prints both with the examples that use them: a key
+is shown once and stored only as its hash, so old demo keys stop working. Everything stops together
+on Ctrl-C. A demo that cannot start (a
 port taken, say by another demo; a simulator that fails) says why in one line, stops the pods it
 had started and exits 3.
 """
@@ -17,10 +20,12 @@ import json
 import shlex
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.config import Config, ConfigError, PodConfig, TlsConfig
+from gateway.auth.keystore import hash_key, new_key, write_file
+from gateway.config import AdminConfig, Config, ConfigError, PodConfig, TlsConfig
 from gateway.rlimits import raise_open_file_limit
 from gateway.server import build_server
 from loadtest.podsim.launch import PodsimProcess, PodsimStartError
@@ -29,6 +34,37 @@ from loadtest.podsim.launch import PodsimProcess, PodsimStartError
 DEMO_SPEEDS = ("--ttft-ms", "120", "--itl-ms", "40")
 CERT_HOSTS = ("localhost", "127.0.0.1", "::1")
 START_FAILURE = 3  # as `sluicegate serve` when a port is taken
+DEMO_TIER = "demo"  # the tier of the demo key, when the config has one
+
+
+@dataclass(frozen=True)
+class DemoKeys:
+    """The keys a demo start made: shown once, in the printed examples."""
+
+    demo: str  # inference, in the demo tier
+    admin: str  # the admin API (the admin right), on the admin listener
+
+
+def write_demo_keys(config: Config) -> DemoKeys | None:
+    """A fresh key store at ``auth.keys_file`` holding a demo key and an admin key (None when auth is
+    off). Written whole (``os.replace``), so it replaces a previous demo's keys atomically."""
+    if not config.auth.enabled:
+        return None
+    keys = DemoKeys(demo=new_key(), admin=new_key())
+    tier = DEMO_TIER if DEMO_TIER in config.tiers else None
+    records = [
+        {"id": "demo", "hash": hash_key(keys.demo), "tier": tier, "models": None, "rights": [],
+         "expires": None, "quota": None},
+        {"id": "demo-admin", "hash": hash_key(keys.admin), "tier": None, "models": None,
+         "rights": ["admin"], "expires": None, "quota": None},
+    ]
+    try:
+        write_file(Path(config.auth.keys_file), records)
+    except OSError as exc:
+        raise DemoStartError(
+            f"cannot write the demo's key store {config.auth.keys_file!r}: {exc.strerror or exc}"
+        ) from None
+    return keys
 
 
 class DemoStartError(Exception):
@@ -78,6 +114,8 @@ def check_ports(config: Config, simulated: list[PodConfig]) -> None:
         if server.tls.h3:
             h3_port = server.tls.h3_port if server.tls.h3_port is not None else server.tls.port
             wanted.append((server.host, h3_port, socket.SOCK_DGRAM, "the gateway, HTTP/3"))
+    if config.admin.enabled:
+        wanted.append((config.admin.host, config.admin.port, socket.SOCK_STREAM, "the admin listener"))
     problems: dict[str, list[str]] = {}
     for host, port, kind, what in wanted:
         if port == 0:
@@ -147,7 +185,12 @@ def ensure_certificate(tls: TlsConfig, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def tls_examples(tls: TlsConfig, model: str, host: str = "127.0.0.1") -> str:
+def _auth_header(api_key: str | None) -> str:
+    """curl's flag carrying the key (nothing with auth off)."""
+    return f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+
+
+def tls_examples(tls: TlsConfig, model: str, host: str = "127.0.0.1", api_key: str | None = None) -> str:
     """How to trust the demo's certificate, and a request over each TLS transport."""
     cert_path = str(Path(tls.cert).resolve())
     cert = shlex.quote(cert_path)
@@ -160,7 +203,7 @@ def tls_examples(tls: TlsConfig, model: str, host: str = "127.0.0.1") -> str:
     hi = "[{'role': 'user', 'content': 'Hi'}]"
     client = (
         "from transports.client import SyncSluicegateClient\n"
-        f"with SyncSluicegateClient('{base}', verify={cert_path!r}) as client:\n"
+        f"with SyncSluicegateClient('{base}', verify={cert_path!r}{_key_argument(api_key)}) as client:\n"
         "    for _ in range(2):  # the first answer advertises HTTP/3 (Alt-Svc); the second uses it\n"
         f"        with client.stream_chat('{model}', {hi}, max_tokens=8) as stream:\n"
         "            print(''.join(stream), '<- over', stream.transport)\n"
@@ -172,13 +215,21 @@ def tls_examples(tls: TlsConfig, model: str, host: str = "127.0.0.1") -> str:
         f"Trust it: curl --cacert {cert}; Python: SSL_CERT_FILE={cert}; system-wide on Debian:\n"
         f"  sudo cp {cert} {trust_system}\n\n"
         f"  curl -N --http2 --cacert {cert} {base}/v1/chat/completions \\\n"
-        f"    -H 'content-type: application/json' -d '{body}'\n\n"
+        f"    -H 'content-type: application/json'{_auth_header(api_key)} -d '{body}'\n\n"
         f"  {python} - <<'EOF'\n{client}EOF\n"
     )
 
 
-def examples(host: str, port: int, model: str) -> str:
+def _key_argument(api_key: str | None) -> str:
+    return f", api_key={api_key!r}" if api_key else ""
+
+
+def examples(host: str, port: int, model: str, keys: DemoKeys | None = None,
+             admin: AdminConfig | None = None) -> str:
+    """The requests printed once the gateway listens: curl, the OpenAI SDK and gRPC-Web (the
+    negotiating client), with the demo key; the admin API with the admin key."""
     base = f"http://{advertised_host(host)}:{port}"
+    api_key = keys.demo if keys else None
     body = json.dumps(
         {
             "model": model,
@@ -190,7 +241,7 @@ def examples(host: str, port: int, model: str) -> str:
     )
     sdk = (
         "from openai import OpenAI\n"
-        f"client = OpenAI(base_url='{base}/v1', api_key='unused')\n"
+        f"client = OpenAI(base_url='{base}/v1', api_key={api_key or 'unused'!r})\n"
         f"stream = client.chat.completions.create(model='{model}', stream=True, max_tokens=24,\n"
         "    messages=[{'role': 'user', 'content': 'Tell me about MIG slices.'}])\n"
         "for chunk in stream:\n"
@@ -198,15 +249,35 @@ def examples(host: str, port: int, model: str) -> str:
         "        print(chunk.choices[0].delta.content or '', end='', flush=True)\n"
         "print()\n"
     )
+    hi = "[{'role': 'user', 'content': 'Hi'}]"
+    grpc_web = (
+        "from transports.client import SyncSluicegateClient\n"
+        f"with SyncSluicegateClient('{base}'{_key_argument(api_key)}, transport='grpc-web') as client:\n"
+        f"    with client.stream_chat('{model}', {hi}, max_tokens=8) as stream:\n"
+        "        print(''.join(stream), '<- over', stream.transport)\n"
+    )
     python = shlex.quote(sys.executable)
-    return (
-        f"\nSluicegate is serving on {base} in front of simulated pods.\n\n"
-        f"  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\\n"
+    text = f"\nSluicegate is serving on {base} in front of simulated pods.\n"
+    if keys is not None:
+        text += f"Demo API key (tier {DEMO_TIER}; shown once, new at every start): {keys.demo}\n"
+    text += (
+        f"\n  curl -N {base}/v1/chat/completions -H 'content-type: application/json'"
+        f"{_auth_header(api_key)} \\\n"
         f"    -d '{body}'\n\n"
         f"  {python} - <<'EOF'\n{sdk}EOF\n\n"
-        f"  curl {base}/admin/pods     # pods, MIG slices and live state\n"
-        f"  curl {base}/metrics        # Prometheus metrics\n"
+        f"gRPC-Web (what a browser page speaks), with the negotiating client:\n\n"
+        f"  {python} - <<'EOF'\n{grpc_web}EOF\n"
     )
+    if admin is not None and admin.enabled:
+        admin_base = f"http://{advertised_host(admin.host)}:{admin.port}"
+        text += f"\nThe admin API and metrics listen on {admin_base} only"
+        text += f", with the admin key: {keys.admin}\n\n" if keys is not None else ":\n\n"
+        text += (
+            f"  curl{_auth_header(keys.admin if keys else None)} {admin_base}/admin/pods"
+            "     # pods, MIG slices and live state\n"
+            f"  curl {admin_base}/metrics        # Prometheus metrics\n"
+        )
+    return text
 
 
 def run_demo(config: Config, log_level: str = "info") -> int:
@@ -216,6 +287,7 @@ def run_demo(config: Config, log_level: str = "info") -> int:
     sims: list[PodsimProcess] = []
     try:
         check_ports(config, simulated)
+        keys = write_demo_keys(config)  # after the port check: a second demo leaves the first's keys
         tls = config.server.tls
         if tls is not None and _make_certificate(tls, config.server.host):
             print(f"made a self-signed certificate for the demo: {Path(tls.cert).resolve()}", flush=True)
@@ -225,7 +297,7 @@ def run_demo(config: Config, log_level: str = "info") -> int:
             mig = f" on {pod.mig.profile} slice {pod.mig.mig_uuid}" if pod.mig else ""
             print(f"simulated pod {pod.name} at {sim.url}{mig}", flush=True)
         model = next((m for pod in config.pods for m in pod.models), "llama-8b")
-        asyncio.run(_serve_and_announce(config, log_level, model))
+        asyncio.run(_serve_and_announce(config, log_level, model, keys))
     except KeyboardInterrupt:
         pass  # Ctrl-C, while starting or serving: everything stops below
     except DemoStartError as exc:
@@ -262,15 +334,15 @@ def _start_pod(pod: PodConfig) -> PodsimProcess:
         raise DemoStartError(f"simulated pod {pod.name} ({pod.url}) did not start: {why}") from None
 
 
-async def _serve_and_announce(config: Config, log_level: str, model: str) -> None:
+async def _serve_and_announce(config: Config, log_level: str, model: str, keys: DemoKeys | None) -> None:
     server = build_server(config, log_level)
     serving = asyncio.create_task(server.serve())
     listening = asyncio.create_task(server.listening.wait())
     await asyncio.wait((serving, listening), return_when=asyncio.FIRST_COMPLETED)
     if listening.done():
-        text = examples(config.server.host, config.server.port, model)
+        text = examples(config.server.host, config.server.port, model, keys, config.admin)
         if config.server.tls is not None:
-            text += tls_examples(config.server.tls, model, config.server.host)
+            text += tls_examples(config.server.tls, model, config.server.host, keys.demo if keys else None)
         print(text, flush=True)
     else:
         listening.cancel()

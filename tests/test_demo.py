@@ -1,9 +1,10 @@
-"""`make run`'s demo: the examples it prints work as printed, at addresses it listens on;
-everything stops together; a demo that cannot start says why in one line."""
+"""`make run`'s demo: the examples it prints work as printed, at addresses it listens on, with the
+keys it prints; everything stops together; a demo that cannot start says why in one line."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.auth.keystore import KeyStore, hash_key
 from tests.conftest import unused_port
 from transports.h3_client import H3ClientConnection
 
@@ -27,8 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _demo_config_on_free_ports(tmp_path: Path) -> tuple[Path, list[int]]:
+    """demo.yaml on free ports, its certificate and key store in ``tmp_path``; the ports: the
+    gateway's, the pods', the admin listener's."""
     config = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())
-    ports = [unused_port() for _ in range(5)]
+    ports = [unused_port() for _ in range(6)]
+    config["admin"]["port"] = ports.pop()
+    config["auth"]["keys_file"] = str(tmp_path / "keys" / "keys.yaml")
     config["server"]["port"] = ports[0]
     tls_port = ports.pop()
     config["server"]["tls"].update(
@@ -38,7 +44,7 @@ def _demo_config_on_free_ports(tmp_path: Path) -> tuple[Path, list[int]]:
         pod["url"] = f"http://127.0.0.1:{port}"
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
-    return path, ports
+    return path, [*ports, config["admin"]["port"]]
 
 
 def _refuses(port: int) -> bool:
@@ -70,8 +76,23 @@ class Demo:
     proc: subprocess.Popen[str]
     banner: str
     config: Path
-    ports: list[int]
+    ports: list[int]  # the gateway's, the pods', the admin listener's
     cert: Path
+    keys_file: Path
+
+    def printed_key(self, label: str) -> str:
+        """The key printed after ``label`` (on the rest of its line)."""
+        match = re.search(re.escape(label) + r"[^\n]*?: (sk-sg-[A-Za-z0-9_-]+)\n", self.banner)
+        assert match, f"no {label!r} key in the banner:\n{self.banner}"
+        return match.group(1)
+
+    def admin_pods(self) -> list[dict[str, object]]:
+        admin = self.printed_key("with the admin key")
+        answer = httpx.get(
+            f"http://127.0.0.1:{self.ports[-1]}/admin/pods", headers={"authorization": f"Bearer {admin}"}
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()["pods"]
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +106,10 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if "".join(lines).count("\nEOF\n") == 2:  # the end of the second (TLS) example
+            if "".join(lines).count("\nEOF\n") == 3:  # the end of the last (TLS) example
                 break
-        yield Demo(proc, "".join(lines), config, ports, tmp_path / "tls" / "cert.pem")
+        keys_file = tmp_path / "keys" / "keys.yaml"
+        yield Demo(proc, "".join(lines), config, ports, tmp_path / "tls" / "cert.pem", keys_file)
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -96,7 +118,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
 
 @pytest.mark.timeout(90)
 def test_demo_serves_the_examples_it_prints(demo: Demo) -> None:
-    banner, ports = demo.banner, demo.ports
+    banner = demo.banner
     assert banner.count("simulated pod pod-") == 3 and "1g.10gb" in banner
 
     curl = banner[banner.index("curl -N") : banner.index("}'\n") + 2]
@@ -110,6 +132,14 @@ def test_demo_serves_the_examples_it_prints(demo: Demo) -> None:
     sdk = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=30)
     assert sdk.returncode == 0, sdk.stderr
     assert len(sdk.stdout.split()) == 24
+
+    # gRPC-Web, as a browser page would speak it, by the negotiating client
+    marker = banner.index(" - <<'EOF'\n", banner.index("gRPC-Web"))
+    start = banner.rindex("\n", 0, marker) + 1
+    printed = banner[start : banner.index("\nEOF\n", marker) + 5]
+    grpc = subprocess.run(["bash", "-c", printed], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert grpc.returncode == 0, grpc.stderr
+    assert grpc.stdout.rstrip().endswith("<- over grpc-web") and len(grpc.stdout.split()) > 3
 
     # over TLS: the certificate was made for the demo; curl speaks HTTP/2 to it, and the
     # transports client moves to HTTP/3 once the first answer has advertised it
@@ -127,8 +157,32 @@ def test_demo_serves_the_examples_it_prints(demo: Demo) -> None:
     assert first.endswith("<- over h2") and second.endswith("<- over h3")
     assert first.split(" <- ")[0] and first.split(" <- ")[0] == second.split(" <- ")[0]
 
-    pods = httpx.get(f"http://127.0.0.1:{ports[0]}/admin/pods").json()["pods"]
+    # the admin API, on its own listener, as printed with the admin key
+    admin = demo.printed_key("with the admin key")
+    admin_curl = next(line.split("#")[0] for line in banner.splitlines() if "/admin/pods" in line)
+    assert f":{demo.ports[-1]}/admin/pods" in admin_curl and admin in admin_curl
+    out = subprocess.run(
+        ["bash", "-c", admin_curl + " -sS --fail"], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    pods = json.loads(out.stdout)["pods"]
     assert {p["mig"]["profile"] for p in pods} == {"3g.40gb", "2g.20gb", "1g.10gb"}
+
+
+def test_the_demo_prints_fresh_keys_and_stores_only_their_hashes(demo: Demo) -> None:
+    key, admin = demo.printed_key("Demo API key"), demo.printed_key("with the admin key")
+    assert key != admin
+    # every example carries the demo key
+    assert demo.banner.count(f"Authorization: Bearer {key}") == 2  # curl, cleartext and TLS
+    assert demo.banner.count(f"api_key={key!r}") == 3  # the OpenAI SDK, gRPC-Web, the TLS client
+    text = demo.keys_file.read_text()
+    assert key not in text and admin not in text
+    assert hash_key(key) in text and hash_key(admin) in text
+    assert demo.keys_file.stat().st_mode & 0o777 == 0o600
+    store = KeyStore.load(demo.keys_file, ["demo"])
+    record, admin_record = store.lookup(key), store.lookup(admin)
+    assert record is not None and record.tier == "demo" and not record.has_right("admin")
+    assert admin_record is not None and admin_record.has_right("admin")
 
 
 def _addresses(host: str) -> list[str]:
@@ -157,7 +211,10 @@ def test_every_printed_url_is_answered_at_every_address_of_its_host(demo: Demo) 
                         pass
         if scheme == "https":
             chat = {"model": "llama-8b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-            answer = httpx.post(f"https://{host}:{port}/v1/chat/completions", json=chat, verify=context)
+            auth = {"authorization": f"Bearer {demo.printed_key('Demo API key')}"}
+            answer = httpx.post(
+                f"https://{host}:{port}/v1/chat/completions", json=chat, headers=auth, verify=context
+            )
             alt_svc = answer.headers["alt-svc"]  # inference answers advertise HTTP/3
             h3_port = int(re.fullmatch(r'h3=":(\d+)"; ma=\d+', alt_svc).group(1))
 
@@ -174,6 +231,7 @@ def test_every_printed_url_is_answered_at_every_address_of_its_host(demo: Demo) 
 
 @pytest.mark.timeout(120)
 def test_a_second_demo_says_why_in_one_line_and_leaves_the_first_alone(demo: Demo) -> None:
+    keys = demo.keys_file.read_text()
     second = _run_demo(demo.config)
     assert second.returncode == 3
     assert "Traceback" not in second.stderr
@@ -184,10 +242,11 @@ def test_a_second_demo_says_why_in_one_line_and_leaves_the_first_alone(demo: Dem
     for port in demo.ports:  # the gateway's and each pod's port are named
         assert f":{port} " in message
     assert "udp 127.0.0.1:" in message  # HTTP/3
-    # the first demo and its pods are untouched
-    pods = httpx.get(f"http://127.0.0.1:{demo.ports[0]}/admin/pods").json()["pods"]
-    assert len(pods) == 3
-    for port in demo.ports[1:]:
+    assert f":{demo.ports[-1]} (the admin listener)" in message
+    # the first demo, its keys and its pods are untouched
+    assert demo.keys_file.read_text() == keys
+    assert len(demo.admin_pods()) == 3
+    for port in demo.ports[1:-1]:
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
 
 
