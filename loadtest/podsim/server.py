@@ -28,7 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.side_server import serve_app
-from loadtest.podsim import wire
+from loadtest.podsim import tokens, wire
 from loadtest.podsim.engine import Engine, EngineConfig, ModelStats, Sequence
 from loadtest.podsim.faults import NO_FAULTS, Faults, faults_from_json, parse_faults
 from loadtest.podsim.metrics import PodsimCollector, build_registry
@@ -100,6 +100,7 @@ class Job:
     words: WordSequence
     request_id: str
     created: int
+    echo: dict[str, Any] | None = None  # a Responses API request: what its response object repeats
 
 
 def _field_error(kind: str, loc: str, msg: str, value: Any) -> str:
@@ -307,15 +308,20 @@ class _StreamSink:
                 self.stats.count_fault("no_finish")
                 self._resolve("truncated")
                 return
-            parts.append(fmt.final(token, seq.final_reason))
-            if job.include_usage:
-                parts.append(fmt.usage(job.prompt_tokens, generated))
-            parts.append(wire.DONE)
+            parts += self._ending(token, seq)
             self._write(parts)
             self._resolve("ok")
         else:
-            parts.append(self.pre + self.tokens[self.offset + generated] + self.post)
+            parts.append(fmt.token(self.tokens[self.offset + generated]))
             self._write(parts)
+
+    def _ending(self, token: bytes, seq: Sequence) -> list[bytes]:
+        """The last token with its finish reason, the usage event if asked for, and ``[DONE]``."""
+        parts = [self.fmt.final(token, seq.final_reason)]
+        if self.job.include_usage:
+            parts.append(self.fmt.usage(self.job.prompt_tokens, seq.generated))
+        parts.append(wire.DONE)
+        return parts
 
     def _keepalive(self) -> None:
         """A comment now and then, never a token, until the client goes."""
@@ -342,6 +348,76 @@ class _StreamSink:
     def _resolve(self, outcome: str) -> None:
         if not self.done.done():
             self.done.set_result(outcome)
+
+
+class _ResponsesSink(_StreamSink):
+    """A Responses API stream: typed events around the same engine tokens, ``response.completed``
+    (and no ``[DONE]``) at the end. Faults fire as in a chat stream: ``end_after`` ends the body
+    cleanly before ``response.completed``, ``no_finish`` leaves out the closing events."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        engine: Engine,
+        job: Job,
+        transport: asyncio.Transport,
+        faults: Faults,
+        stats: ModelStats,
+        done: asyncio.Future[str],
+    ) -> None:
+        super().__init__(engine, job, transport, faults, stats, done)
+        assert job.echo is not None
+        fmt = wire.ResponsesFormat(
+            request_id=job.request_id, created=job.created, model=job.model, echo=job.echo,
+            item_id=f"msg_{uuid.uuid4().hex}",
+        )  # fmt: skip
+        self.fmt = fmt  # type: ignore[assignment]
+
+    def emit(self, seq: Sequence) -> None:
+        """Every token but the first and the last: one delta event."""
+        transport = self.transport
+        if transport.is_closing():
+            self._gone(seq)
+            return
+        if seq.generated == self.fault_at:
+            self._slow(seq, final=False)
+            return
+        self._write([self.fmt.token(self.tokens[self.offset + seq.generated])])
+
+    def _ending(self, token: bytes, seq: Sequence) -> list[bytes]:
+        job = self.job
+        generated = seq.generated
+        text = job.words.slice_text(job.start, job.start + generated - (seq.final_reason == "stop"))
+        status = "incomplete" if seq.final_reason == "length" else "completed"
+        parts = [self.fmt.token(token)] if token else []
+        parts.append(self.fmt.closing(text, status, job.prompt_tokens, generated))  # type: ignore[attr-defined]
+        return parts
+
+
+def _final_response(job: Job, text: str, generated: int) -> dict[str, Any]:
+    """The whole (non-streaming) Responses API answer of a finished job."""
+    assert job.echo is not None
+    status = "incomplete" if job.final_reason == "length" else "completed"
+    item = wire.output_message(f"msg_{uuid.uuid4().hex}", text, "completed")
+    usage = wire.response_usage(job.prompt_tokens, generated)
+    return wire.response_object(job.request_id, job.created, job.model, job.echo, [item], status, usage)
+
+
+# What a Responses API answer repeats from its request, when the request set it.
+_ECHOED = (
+    "instructions", "metadata", "parallel_tool_calls", "temperature", "tool_choice", "tools", "top_p",
+    "background", "max_tool_calls", "previous_response_id", "reasoning", "service_tier", "text",
+    "top_logprobs", "truncation", "user",
+)  # fmt: skip
+
+
+def _caller_id(request_id: str) -> str:
+    """The caller's X-Request-Id in an answer's id (after ``chatcmpl-``, ``cmpl-`` or ``resp_``)."""
+    for prefix in ("chatcmpl-", "cmpl-", "resp_"):
+        if request_id.startswith(prefix):
+            return request_id[len(prefix):]
+    return request_id
 
 
 class _PlainSink:
@@ -487,6 +563,10 @@ class Podsim:
         r = app.router
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/responses", self.responses)
+        r.add_post("/v1/embeddings", self.embeddings)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
         r.add_get("/v1/models", self.list_models)
         for path in ("/health", "/ping"):
             r.add_get(path, self.health)
@@ -589,9 +669,144 @@ class Podsim:
         """``POST /v1/completions``, streaming or not."""
         return await self._generate(request, chat=False)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses`` (the Responses API), streaming or not, from the same engine tokens."""
+        return await self._generate(request, chat=False, responses=True)
+
+    # --- pooling and tokenization: answered at once, no engine time ---------------------------------
+
+    async def _pooling_body(self, request: web.Request) -> tuple[dict[str, Any], str] | web.Response:
+        """The JSON body and its model, or the answer to give instead (a fault, or vLLM's 400/404)."""
+        try:
+            faults = self._request_faults(request)
+        except ValueError as exc:
+            return ApiError(400, f"bad {FAULT_HEADER} header: {exc}").response()
+        raw = await request.read()
+        if faults.refuse:
+            self.stats[self.models[0]].count_fault("refuse")
+            return await _refuse(request)
+        if faults.status:
+            self.stats[self.models[0]].count_fault("status")
+            return _status_fault(faults.status)
+        try:
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise _json_error(raw, exc) from None
+            if not isinstance(body, dict):
+                raise ApiError(
+                    400,
+                    str([{"type": "model_attributes_type", "loc": ("body",),
+                          "msg": "Input should be a valid dictionary or object to extract fields from",
+                          "input": body}]),
+                )  # fmt: skip
+            model = body.get("model")
+            if model is None:
+                model = self.models[0]
+            if not isinstance(model, str):
+                raise ApiError(
+                    400, _field_error("string_type", "model", "Input should be a valid string", model)
+                )
+            if model not in self.stats:
+                raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        except ApiError as err:
+            return err.response()
+        return body, model
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """``POST /v1/embeddings``: a deterministic unit vector per input (see ``tokens.embed``)."""
+        got = await self._pooling_body(request)
+        if isinstance(got, web.Response):
+            return got
+        body, model = got
+        given = body.get("input")
+        if isinstance(given, str) or (
+            isinstance(given, list) and given and all(type(t) is int for t in given)
+        ):
+            given = [given]  # one text, or one token list
+        if not isinstance(given, list) or not given or not all(
+            isinstance(item, str) or (isinstance(item, list) and all(type(t) is int for t in item))
+            for item in given
+        ):
+            return ApiError(
+                400, _field_error("union_type", "input", "Input should be a string or a list", given), "input"
+            ).response()
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            return ApiError(
+                400, _field_error("literal_error", "encoding_format", "Input should be 'float' or 'base64'",
+                                  encoding), "encoding_format",
+            ).response()  # fmt: skip
+        dimensions = body.get("dimensions")
+        if dimensions is not None and dimensions != tokens.EMBEDDING_DIM:
+            return ApiError(
+                400, f"Model \"{model}\" does not support matryoshka representation, changing output "
+                "dimensions will lead to poor results.", "dimensions",
+            ).response()  # fmt: skip
+        vectors: list[list[float] | str] = []
+        prompt_tokens = 0
+        for item in given:
+            if isinstance(item, str):
+                vector = tokens.embed(model, item)
+                prompt_tokens += len(tokens.encode_text(item))
+            else:
+                vector = tokens.embed(model, repr(item))
+                prompt_tokens += len(item)
+            vectors.append(tokens.as_base64(vector) if encoding == "base64" else vector)
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        body_bytes = wire.embedding_response(f"embd-{rid}", int(time.time()), model, vectors, prompt_tokens)
+        return web.Response(body=body_bytes, content_type=wire.JSON_CONTENT_TYPE)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``POST /tokenize`` (vLLM's TokenizeCompletionRequest or TokenizeChatRequest): the ids of the
+        prompt (or of the chat through the template); ``count`` is what a generation with the same
+        prompt reports as its prompt tokens."""
+        got = await self._pooling_body(request)
+        if isinstance(got, web.Response):
+            return got
+        body, _model = got
+        try:
+            if "messages" in body:
+                self._chat_prompt(body, self.sequences.get(self.models[0]))  # vLLM's checks and errors
+                ids = tokens.encode_chat(
+                    [(m["role"], _content_text(m.get("content"), i)) for i, m in enumerate(body["messages"])]
+                )
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(
+                        400, _field_error("string_type", "prompt", "Input should be a valid string", prompt),
+                        "prompt",
+                    )  # fmt: skip
+                ids = tokens.encode_text(prompt)
+            strs = _opt_bool(body, "return_token_strs", False)
+        except ApiError as err:
+            return err.response()
+        token_strs = [tokens.token_text(t) for t in ids] if strs else None
+        answer = wire.tokenize_response(ids, self.max_model_len, token_strs)
+        return web.Response(body=answer, content_type=wire.JSON_CONTENT_TYPE)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``POST /detokenize``: the text of a list of token ids."""
+        got = await self._pooling_body(request)
+        if isinstance(got, web.Response):
+            return got
+        body, _model = got
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            message = _field_error("list_type", "tokens", "Input should be a valid list of integers", ids)
+            return ApiError(400, message, "tokens").response()
+        for token in ids:
+            if not 0 <= token < tokens.VOCAB_SIZE:
+                return ApiError(400, f"Token id {token} is out of vocabulary", "tokens").response()
+        answer = wire.detokenize_response(tokens.decode(ids))
+        return web.Response(body=answer, content_type=wire.JSON_CONTENT_TYPE)
+
     # --- generation ----------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, *, chat: bool, responses: bool = False
+    ) -> web.StreamResponse:
         self.arrival_log.append((request.headers.get("X-Request-Id", ""), time.monotonic()))
         self.in_flight += 1
         try:
@@ -616,7 +831,7 @@ class Podsim:
             try:
                 if decode_error is not None:
                     raise _json_error(raw, decode_error)
-                job = self._job(request, body, chat=chat)
+                job = self._responses_job(request, body) if responses else self._job(request, body, chat=chat)
             except ApiError as err:
                 return err.response()
             stats = self.stats[job.model]
@@ -753,6 +968,59 @@ class Podsim:
             "prompt",
         )
 
+    def _responses_job(self, request: web.Request, body: Any) -> Job:
+        """A Responses API request as a job: ``instructions`` and ``input`` are the prompt,
+        ``max_output_tokens`` the limit; everything the response object repeats goes in ``echo``."""
+        if not isinstance(body, dict):
+            raise ApiError(
+                400,
+                str([{"type": "model_attributes_type", "loc": ("body",),
+                      "msg": "Input should be a valid dictionary or object to extract fields from",
+                      "input": body}]),
+            )  # fmt: skip
+        given = body.get("input")
+        if given is None:
+            raise ApiError(400, _field_error("missing", "input", "Field required", body), "input")
+        texts = []
+        instructions = body.get("instructions")
+        if isinstance(instructions, str):
+            texts.append(instructions)
+        if isinstance(given, str):
+            texts.append(given)
+        elif isinstance(given, list):
+            for i, item in enumerate(given):
+                if not isinstance(item, dict):
+                    message = _field_error("model_type", f"input.{i}", "Input should be an object", item)
+                    raise ApiError(400, message, "input")
+                content = item.get("content", item.get("output"))
+                texts.append(_content_text(content, i))
+        else:
+            message = _field_error("union_type", "input", "Input should be a string or a list", given)
+            raise ApiError(400, message, "input")
+        # the generation's own checks (model, stream, the token limit) as for a one-message chat
+        generation = {**body, "messages": [{"role": "user", "content": ""}], "stream_options": None}
+        generation["max_tokens"] = _opt_int(body, "max_output_tokens")
+        job = self._job(request, generation, chat=True)
+        prompt_tokens = estimate_chat_tokens(texts)
+        if prompt_tokens + job.max_tokens > self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + job.max_tokens} tokens ({prompt_tokens} in the input, {job.max_tokens} in "
+                "the output). Please reduce the length of the input or output.",
+                "max_output_tokens",
+            )
+        echo = {key: body[key] for key in _ECHOED if body.get(key) is not None}
+        echo["max_output_tokens"] = job.max_tokens
+        rid = request.headers.get("X-Request-Id") or body.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            rid = uuid.uuid4().hex
+        job.chat = False
+        job.prompt_tokens = prompt_tokens
+        job.request_id = f"resp_{rid}"
+        job.echo = echo
+        return job
+
     def _abandoned(
         self, seq: Sequence, sink: _StreamSink | _PlainSink, request_id: str, peer: tuple[str, int] | None
     ) -> None:
@@ -764,7 +1032,7 @@ class Podsim:
             # Logged by the caller's X-Request-Id, without the chatcmpl-/cmpl- prefix, with the
             # caller's port (a benchmark can find that connection's FIN in a packet capture).
             port = peer[1] if peer else 0
-            self.abort_log.append((request_id.split("-", 1)[1], time.monotonic(), port))
+            self.abort_log.append((_caller_id(request_id), time.monotonic(), port))
 
     async def _stream(
         self, request: web.Request, job: Job, faults: Faults, stats: ModelStats
@@ -778,7 +1046,8 @@ class Podsim:
             return response  # the client is already gone; nothing to generate for
         peer = transport.get_extra_info("peername")
         done: asyncio.Future[str] = self.loop.create_future()
-        sink = _StreamSink(self.engine, job, transport, faults, stats, done)
+        sink_type = _StreamSink if job.echo is None else _ResponsesSink
+        sink = sink_type(self.engine, job, transport, faults, stats, done)
         seq = Sequence(
             stats,
             job.prompt_tokens,
@@ -834,10 +1103,13 @@ class Podsim:
         generated = seq.generated
         text_tokens = generated - 1 if job.final_reason == "stop" else generated
         text = job.words.slice_text(job.start, job.start + text_tokens)
-        build = wire.chat_response if job.chat else wire.completion_response
-        body = build(
-            job.request_id, job.created, job.model, text, job.final_reason, job.prompt_tokens, generated
-        )
+        if job.echo is not None:
+            body = wire.response_body(_final_response(job, text, generated))
+        else:
+            build = wire.chat_response if job.chat else wire.completion_response
+            body = build(
+                job.request_id, job.created, job.model, text, job.final_reason, job.prompt_tokens, generated
+            )
         if sink.short == "end_after":
             body = body[: len(body) // 2]  # a correct Content-Length for half an answer
         elif sink.short == "garbage_after":

@@ -237,3 +237,177 @@ def model_list(models: list[str], created: int, max_model_len: int, permission_i
         for model in models
     ]
     return jbytes({"object": "list", "data": data})
+
+
+# --- the rest of the OpenAI surface: embeddings, tokenization, the Responses API ---------------------
+
+
+def embedding_response(
+    request_id: str, created: int, model: str, embeddings: list[list[float] | str], prompt_tokens: int
+) -> bytes:
+    """``POST /v1/embeddings`` as vLLM's EmbeddingResponse.model_dump(): floats, or base64 strings."""
+    return jbytes(
+        {
+            "id": request_id,
+            "object": "list",
+            "created": created,
+            "model": model,
+            "data": [
+                {"index": i, "object": "embedding", "embedding": vector}
+                for i, vector in enumerate(embeddings)
+            ],
+            "usage": {**_usage(prompt_tokens, 0), "prompt_tokens_details": None},
+        }
+    )
+
+
+def tokenize_response(tokens: list[int], max_model_len: int, token_strs: list[str] | None) -> bytes:
+    """``POST /tokenize`` as vLLM's TokenizeResponse.model_dump()."""
+    return jbytes(
+        {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
+    )
+
+
+def detokenize_response(prompt: str) -> bytes:
+    """``POST /detokenize`` as vLLM's DetokenizeResponse.model_dump()."""
+    return jbytes({"prompt": prompt})
+
+
+def response_usage(prompt: int, completion: int) -> dict[str, Any]:
+    """A Responses API ``usage`` (vLLM's ResponseUsage)."""
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def response_object(
+    request_id: str,
+    created: int,
+    model: str,
+    echo: dict[str, Any],
+    output: list[dict[str, Any]],
+    status: str,
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """vLLM's ResponsesResponse (``from_request``) as a dict, in its field order; ``echo`` holds what
+    it repeats from the request (instructions, sampling parameters, tools, ...)."""
+    return {
+        "id": request_id,
+        "created_at": created,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": echo.get("instructions"),
+        "metadata": echo.get("metadata"),
+        "model": model,
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": echo.get("parallel_tool_calls", True),
+        "temperature": echo.get("temperature", 1.0),
+        "tool_choice": echo.get("tool_choice", "auto"),
+        "tools": echo.get("tools", []),
+        "top_p": echo.get("top_p", 1.0),
+        "background": echo.get("background", False),
+        "max_output_tokens": echo["max_output_tokens"],
+        "max_tool_calls": echo.get("max_tool_calls"),
+        "previous_response_id": echo.get("previous_response_id"),
+        "prompt": None,
+        "reasoning": echo.get("reasoning"),
+        "service_tier": echo.get("service_tier", "auto"),
+        "status": status,
+        "text": echo.get("text"),
+        "top_logprobs": echo.get("top_logprobs"),
+        "truncation": echo.get("truncation", "disabled"),
+        "usage": usage,
+        "user": echo.get("user"),
+        "input_messages": None,
+        "output_messages": None,
+    }
+
+
+def output_text(text: str) -> dict[str, Any]:
+    """An ``output_text`` content part."""
+    return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+
+
+def output_message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """An assistant ``message`` output item."""
+    content = [output_text(text)] if status == "completed" else []
+    return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
+
+
+def response_body(response: dict[str, Any]) -> bytes:
+    """A non-streaming ``POST /v1/responses`` answer."""
+    return jbytes(response)
+
+
+class ResponsesFormat:
+    """One streamed Responses API answer, event by event, as vLLM writes it.
+
+    Every event is ``event: TYPE\\ndata: {...}\\n\\n`` (pydantic ``model_dump_json``; the openai
+    event models end with ``sequence_number`` and ``type``), numbered from 0, and no ``[DONE]``
+    follows the final ``response.completed``. A text delta is pre-encoded around its token and
+    its sequence number.
+    """
+
+    __slots__ = ("created", "echo", "first", "item_id", "mid", "model", "request_id", "seq")
+
+    PRE = b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"'
+
+    def __init__(self, *, request_id: str, created: int, model: str, echo: dict[str, Any], item_id: str):
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.echo = echo
+        self.item_id = item_id
+        self.mid = b'","item_id":' + jbytes(item_id) + b',"logprobs":[],"output_index":0,"sequence_number":'
+        self.seq = 0
+        self.first = self.opening()  # sent with the first token, as a chat stream's role chunk
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> bytes:
+        payload = {**fields, "sequence_number": self.seq, "type": kind}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + jbytes(payload) + b"\n\n"
+
+    def opening(self) -> bytes:
+        """``response.created``, ``response.in_progress``, then the message item and its text part."""
+        response = response_object(
+            self.request_id, self.created, self.model, self.echo, [], "in_progress", None
+        )
+        return b"".join((
+            self._event("response.created", {"response": response}),
+            self._event("response.in_progress", {"response": response}),
+            self._event(
+                "response.output_item.added",
+                {"item": output_message(self.item_id, "", "in_progress"), "output_index": 0},
+            ),
+            self._event(
+                "response.content_part.added",
+                {"content_index": 0, "item_id": self.item_id, "output_index": 0, "part": output_text("")},
+            ),
+        ))  # fmt: skip
+
+    def token(self, text: bytes) -> bytes:
+        """One ``response.output_text.delta`` event."""
+        seq = self.seq
+        self.seq += 1
+        return self.PRE + text + self.mid + b'%d,"type":"response.output_text.delta"}\n\n' % seq
+
+    def closing(self, text: str, status: str, prompt: int, completion: int) -> bytes:
+        """The text, part and item done events, then ``response.completed`` with the whole response."""
+        item = output_message(self.item_id, text, "completed")
+        response = response_object(
+            self.request_id, self.created, self.model, self.echo, [item], status,
+            response_usage(prompt, completion),
+        )  # fmt: skip
+        head = {"content_index": 0, "item_id": self.item_id}
+        return b"".join((
+            self._event(
+                "response.output_text.done", {**head, "logprobs": [], "output_index": 0, "text": text}
+            ),
+            self._event("response.content_part.done", {**head, "output_index": 0, "part": output_text(text)}),
+            self._event("response.output_item.done", {"item": item, "output_index": 0}),
+            self._event("response.completed", {"response": response}),
+        ))  # fmt: skip
