@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from gateway.admit import ROUTES
 from gateway.config import Config
-from gateway.errors import error_body
+from gateway.errors import error_body, model_not_found
 from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
 from gateway.grpc_web import GrpcWebEndpoint
 from gateway.metrics import GatewayMetrics
@@ -60,6 +60,7 @@ class Gateway:
         self.control = Starlette(
             routes=[
                 Route("/v1/models", self.list_models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
@@ -160,6 +161,16 @@ class Gateway:
                 for model in self.registry.models()
             ],
         })
+
+    async def get_model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: a served model's object (ids may hold slashes), else OpenAI's 404."""
+        model = request.path_params["model"]
+        if not self.registry.knows(model):
+            error = model_not_found(model)
+            return Response(error.body(), error.status, media_type="application/json")
+        return JSONResponse(
+            {"id": model, "object": "model", "created": int(self.started), "owned_by": "sluicegate"}
+        )
 
     async def healthz(self, _request: Request) -> Response:
         return JSONResponse({"status": "ok"})
