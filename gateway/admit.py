@@ -17,9 +17,22 @@ from gateway.errors import GatewayError, bad_request
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-# Each route's path on the pod.
-ROUTE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# The OpenAI (and vLLM) routes the relay serves: client path -> route name. Every one is routed by
+# its body's ``model`` to the pods serving it, under the same keys, quotas, timeouts and metrics.
+ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+# Each route's path on the pod (vLLM serves them under the same paths).
+ROUTE_PATHS = {route: path for path, route in ROUTES.items()}
+# The routes whose answers may stream (``stream: true``); the others ignore the field, as vLLM does.
+STREAMING_ROUTES = frozenset({"chat", "completions", "responses"})
+# The routes whose streams are OpenAI chunks (``choices``, ``[DONE]``): resume and degrade speak them.
+CHUNK_ROUTES = frozenset({"chat", "completions"})
 
 
 @dataclass(slots=True)
@@ -90,7 +103,7 @@ def encode_body(payload: dict[str, Any]) -> bytes:
 
 
 def parse_request(route: str, body: bytes) -> InferenceRequest:
-    """Validate an OpenAI chat or completions request body enough to route it."""
+    """Validate a request body enough to route it: a JSON object, ``model``, the route's own input."""
     if not body:
         raise bad_request("Request body is empty; expected a JSON object.")
     try:
@@ -104,17 +117,104 @@ def parse_request(route: str, body: bytes) -> InferenceRequest:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string.", "model", "missing_model")
-    if route == "chat":
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request(
-                "'messages' is required and must be a non-empty array.", "messages", "missing_messages"
-            )
-    elif payload.get("prompt") is None:
-        raise bad_request("'prompt' is required.", "prompt", "missing_prompt")
+    _CHECKS[route](payload)
+    if route not in STREAMING_ROUTES:
+        return InferenceRequest(route, model, False, body, payload)
     stream = payload.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false.", "stream", "invalid_type")
     return InferenceRequest(route, model, stream, body, payload)
+
+
+# -- each route's required input (the pod checks the rest, in its own words) -------------------------
+
+
+def _check_chat(payload: dict[str, Any]) -> None:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            "'messages' is required and must be a non-empty array.", "messages", "missing_messages"
+        )
+
+
+def _check_completions(payload: dict[str, Any]) -> None:
+    if payload.get("prompt") is None:
+        raise bad_request("'prompt' is required.", "prompt", "missing_prompt")
+
+
+def _check_responses(payload: dict[str, Any]) -> None:
+    """``input``: a non-empty string, or a non-empty array of input items (messages, tool outputs)."""
+    given = payload.get("input")
+    if given is None:
+        raise bad_request("'input' is required.", "input", "missing_input")
+    if not (isinstance(given, str | list) and given) or (
+        isinstance(given, list) and not all(isinstance(item, dict) for item in given)
+    ):
+        raise bad_request(
+            "'input' must be a non-empty string or a non-empty array of input items.",
+            "input", "invalid_input",
+        )
+
+
+def _is_tokens(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _check_embeddings(payload: dict[str, Any]) -> None:
+    """``input``: a string, an array of strings, an array of token ids, or an array of those arrays."""
+    given = payload.get("input")
+    if given is None:
+        raise bad_request("'input' is required.", "input", "missing_input")
+    ok = (isinstance(given, str) and given != "") or (
+        isinstance(given, list)
+        and bool(given)
+        and (
+            all(isinstance(text, str) and text != "" for text in given)
+            or _is_tokens(given)
+            or all(_is_tokens(tokens) for tokens in given)
+        )
+    )
+    if not ok:
+        raise bad_request(
+            "'input' must be a non-empty string, array of strings, array of token ids, or array of "
+            "token id arrays.",
+            "input", "invalid_input",
+        )
+    encoding = payload.get("encoding_format")
+    if encoding is not None and encoding not in ("float", "base64"):
+        raise bad_request(
+            "'encoding_format' must be 'float' or 'base64'.", "encoding_format", "invalid_value"
+        )
+
+
+def _check_tokenize(payload: dict[str, Any]) -> None:
+    """vLLM tokenizes a ``prompt`` (text) or chat ``messages`` (through the chat template)."""
+    prompt, messages = payload.get("prompt"), payload.get("messages")
+    if prompt is not None and messages is not None:
+        raise bad_request("Give either 'prompt' or 'messages', not both.", "prompt", "invalid_input")
+    if messages is not None:
+        _check_chat(payload)
+    elif not isinstance(prompt, str):
+        raise bad_request(
+            "'prompt' (a string) or 'messages' (an array) is required.", "prompt", "missing_prompt"
+        )
+
+
+def _check_detokenize(payload: dict[str, Any]) -> None:
+    tokens = payload.get("tokens")
+    if tokens is None:
+        raise bad_request("'tokens' is required.", "tokens", "missing_tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise bad_request("'tokens' must be an array of non-negative token ids.", "tokens", "invalid_tokens")
+
+
+_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "chat": _check_chat,
+    "completions": _check_completions,
+    "responses": _check_responses,
+    "embeddings": _check_embeddings,
+    "tokenize": _check_tokenize,
+    "detokenize": _check_detokenize,
+}

@@ -6,7 +6,9 @@ garbage. An SDK reading such a stream sees a short answer and no error. The rela
 judges every stream once, at its end, from the last two pod reads it already keeps (see
 ``transports.sse.stream_incomplete``); per token it only splices bytes. Requests with ``n > 1``,
 whose choices finish at different times, also note finish reasons as they pass, by a substring
-test on each read (the JSON is parsed only for the few reads that carry one).
+test on each read (the JSON is parsed only for the few reads that carry one). A Responses API
+stream has no ``[DONE]``: it is whole when its last event is ``response.completed`` (or the
+terminal ``response.failed``/``response.incomplete``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,14 @@ class FinishWatch:
         return watched
 
 
-def incomplete(resp: PodResponse, choices: int, watch: FinishWatch | None) -> str | None:
-    """Why ``resp``'s stream was not a whole answer, or None when it was."""
+def incomplete(
+    resp: PodResponse, choices: int, watch: FinishWatch | None, route: str = "chat"
+) -> str | None:
+    """Why ``resp``'s stream was not a whole answer, or None when it was.
+
+    ``route`` picks the stream's grammar: chat and completions end with ``[DONE]`` or a finish
+    reason per choice; the Responses API ends with a terminal event (``response.completed``)."""
+    if route == "responses":
+        return sse.responses_incomplete(resp.previous + resp.last)
     finished = watch.finished if watch is not None else frozenset()
     return sse.stream_incomplete(resp.previous + resp.last, choices, finished)

@@ -16,7 +16,13 @@ from gateway.admit import InferenceRequest, encode_body
 from gateway.config import Config
 from gateway.errors import bad_request
 
-_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+# Per route, the fields that bound the tokens a request may generate; the first is the one the cap
+# is written into. Embeddings and (de)tokenization generate nothing: no cap.
+_TOKEN_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("max_tokens", "max_completion_tokens"),
+    "completions": ("max_tokens", "max_completion_tokens"),
+    "responses": ("max_output_tokens",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +64,11 @@ def enforce(req: InferenceRequest, limits: RequestLimits) -> InferenceRequest:
                 field, "too_many_choices",
             )
     cap = limits.max_tokens
-    if cap is None:
+    fields = _TOKEN_FIELDS.get(req.route)
+    if cap is None or fields is None:
         return req
     asked = False
-    for field in _TOKEN_FIELDS:
+    for field in fields:
         value = payload.get(field)
         if value is None:
             continue
@@ -75,5 +82,5 @@ def enforce(req: InferenceRequest, limits: RequestLimits) -> InferenceRequest:
             )
     if asked:
         return req
-    capped = {**payload, "max_tokens": cap}
+    capped = {**payload, fields[0]: cap}
     return InferenceRequest(req.route, req.model, req.stream, encode_body(capped), capped)

@@ -159,7 +159,7 @@ class StreamRelay:
                             if recorder.broken:
                                 resp.close(PodBrokenError("the pod reported an error mid-stream"))
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            why = incomplete(resp, choices, finish)
+            why = incomplete(resp, choices, finish, ex.route)
             if why is None:
                 return None, False
             resp.close()  # a pod that ends answers short gets no keep-alive reuse

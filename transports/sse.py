@@ -46,6 +46,8 @@ def _carries_token(payload: dict[str, Any]) -> bool:
     if "error" in payload:
         return True
     choices = payload.get("choices")
+    if choices is None and "type" in payload:
+        return _responses_token(payload)
     for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
             continue
@@ -57,6 +59,25 @@ def _carries_token(payload: dict[str, Any]) -> bool:
         ):
             return True
     return False
+
+
+# -- the Responses API (``/v1/responses``): typed events, ``event: NAME`` lines, no ``[DONE]`` ----------
+
+# The events after which a Responses stream says no more: the answer (or its failure) is whole.
+RESPONSES_TERMINAL = (b"response.completed", b"response.failed", b"response.incomplete")
+_TERMINAL_TYPES = frozenset(name.decode() for name in RESPONSES_TERMINAL)
+
+
+def _responses_token(payload: dict[str, Any]) -> bool:
+    """A Responses event a client would see: any non-empty ``*.delta`` (text, reasoning, tool
+    arguments), an error, or the end. ``response.created``/``in_progress`` and the empty item and
+    part openers before the first delta do not count, like chat's role-only chunk."""
+    kind = payload.get("type")
+    if not isinstance(kind, str):
+        return False
+    if kind.endswith(".delta"):
+        return bool(payload.get("delta"))
+    return kind in _TERMINAL_TYPES or kind == "error"
 
 
 def scan_first_token(buf: bytes, start: int = 0) -> tuple[bool, int]:
@@ -99,10 +120,24 @@ def find_usage(tail: bytes) -> dict[str, int] | None:
     end, _ = _event_end(tail, begin)
     data = event_data(tail[begin : end if end != -1 else len(tail)])
     try:
-        usage = json.loads(data or b"").get("usage")
+        payload = json.loads(data or b"")
+        usage = payload.get("usage")
     except (ValueError, AttributeError, RecursionError):
         return None
+    if usage is None and isinstance(payload.get("response"), dict):  # a Responses API final event
+        return responses_usage(payload["response"].get("usage"))
     return usage if isinstance(usage, dict) else None
+
+
+def responses_usage(usage: Any) -> dict[str, int] | None:
+    """A Responses API ``usage`` (input/output tokens) in chat's terms (prompt/completion tokens)."""
+    if not isinstance(usage, dict):
+        return None
+    return {
+        "prompt_tokens": usage.get("input_tokens"),
+        "completion_tokens": usage.get("output_tokens"),
+        "total_tokens": usage.get("total_tokens"),
+    }
 
 
 def error_event(payload: bytes) -> bytes:
@@ -196,3 +231,34 @@ def stream_incomplete(
         which = "its choice" if choices == 1 else f"choice(s) {', '.join(map(str, missing[:8]))}"
         return f"the stream ended without data: [DONE] and without a finish_reason for {which}"
     return None
+
+
+def responses_incomplete(tail: bytes) -> str | None:
+    """Why a Responses API stream whose last bytes were ``tail`` was not whole; None if it was.
+
+    Whole means its last event is a terminal one (``response.completed``, ``response.failed`` or
+    ``response.incomplete``: each says the answer ended, the last two with the reason), or
+    ``data: [DONE]``. The terminal event carries the whole response object, so it may be larger
+    than the tail kept: then its data's last field, ``"type":"response.completed"}``, still names it.
+    Called once per stream, never per token.
+    """
+    if not tail:
+        return "the stream ended with no bytes"
+    if not ends_event(tail):
+        return "the stream ended inside an event"
+    for event in reversed(_events(tail)):
+        lines = [line for line in event.split(b"\n") if line]
+        if not lines or all(line.startswith(b":") for line in lines):
+            continue  # blank, or a comment (keep-alive)
+        for line in lines:
+            if line.startswith(b"event:") and line[6:].strip() in RESPONSES_TERMINAL:
+                return None
+        data = event_data(event)
+        if data is not None and data.strip() == DONE:
+            return None
+        end = event.rstrip()
+        if any(end.endswith(b'"type":"%s"}' % name) or end.endswith(b'"type": "%s"}' % name)
+               for name in RESPONSES_TERMINAL):
+            return None
+        break
+    return "the stream ended without a response.completed event"
