@@ -3,7 +3,8 @@
 The relay forwards a pod's SSE bytes untouched; these functions only *look* at them where a
 decision needs it: has the first token arrived yet (so response headers can be held until then),
 what usage did the stream report at its end, and did it end as a whole answer at all (``[DONE]``,
-or a finish reason for every choice). Pure functions over bytes, testable alone.
+or a finish reason for every choice; for the Responses API, whose typed events end without
+``[DONE]``, a terminal ``response.completed``). Pure functions over bytes, testable alone.
 """
 
 from __future__ import annotations
