@@ -1,8 +1,9 @@
 """Application assembly: the relay's hot path in front, Starlette for everything else.
 
 Inference routes go straight to the raw-ASGI relay (no middleware wraps its per-chunk sends);
-the control plane (models, health, readiness, metrics, admin) is an ordinary Starlette app,
-which also runs the lifespan: the upstream session and the discovery loop.
+the public control plane (models, health, readiness) is an ordinary Starlette app, which also
+runs the lifespan: the upstream session and the discovery loop. The admin plane (``/admin/*``,
+``/metrics``) is a separate app (``gateway.admin``) that only the admin listener serves.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 from starlette.applications import Starlette
@@ -21,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.admin import AdminKey, AdminPlane, KeyLookup, http_error
 from gateway.admit import ROUTES
 from gateway.config import Config
-from gateway.errors import error_body, model_not_found
+from gateway.errors import model_not_found
 from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
 from gateway.grpc_web import GrpcWebEndpoint
 from gateway.metrics import GatewayMetrics
@@ -40,10 +41,18 @@ from transports.upstream import open_session
 log = logging.getLogger("sluicegate")
 
 
-class Gateway:
-    """The ASGI application uvicorn serves."""
+def _no_keys(_key: str) -> AdminKey | None:
+    """Auth is on but no key store was handed over: no key opens the admin plane."""
+    return None
 
-    def __init__(self, config: Config) -> None:
+
+class Gateway:
+    """The ASGI application uvicorn serves on the public port; ``admin`` is the admin listener's.
+
+    ``lookup`` finds a key's record (``KeyStore.lookup``) for the admin plane; with auth on and no
+    lookup, the admin routes refuse every key rather than open up."""
+
+    def __init__(self, config: Config, lookup: KeyLookup | None = None) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
         self.registry = PodRegistry(config.pods, config.health, self.metrics)
@@ -63,12 +72,15 @@ class Gateway:
                 Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/readyz", self.readyz, methods=["GET"]),
-                Route("/metrics", self.prometheus, methods=["GET"]),
-                Route("/admin/pods", self.admin_pods, methods=["GET"]),
-                Route("/admin/pods/{name}/clear", self.clear_pod, methods=["POST"]),
             ],
-            exception_handlers={HTTPException: _http_error},
+            exception_handlers={HTTPException: http_error},
             lifespan=self._lifespan,
+        )
+        self.admin = AdminPlane(
+            self.registry,
+            self.monitor,
+            self.metrics,
+            (lookup or _no_keys) if config.auth.enabled else None,
         )
 
     def session(self) -> aiohttp.ClientSession:
@@ -189,39 +201,3 @@ class Gateway:
         if models:
             return JSONResponse({"status": "ready", "models": models})
         return JSONResponse({"status": "not_ready", "reason": "no routable pod for any model"}, 503)
-
-    async def prometheus(self, _request: Request) -> Response:
-        return Response(self.metrics.render(), media_type=self.metrics.content_type)
-
-    async def admin_pods(self, _request: Request) -> Response:
-        return JSONResponse(
-            {
-                "pods": self.registry.snapshot(),
-                "failing_open": sorted(self.registry.failing_open),
-                "panic": sorted(self.registry.panicking),
-            }
-        )
-
-    async def clear_pod(self, request: Request) -> Response:
-        """An operator checked the pod's GPU slice: forget its device fault (probes still decide)."""
-        pod = self.registry.get(request.path_params["name"])
-        if pod is None:
-            return Response(
-                error_body("No such pod.", "invalid_request_error", "pod_not_found"),
-                404,
-                media_type="application/json",
-            )
-        self.monitor.clear(pod)
-        return JSONResponse(pod.snapshot())
-
-
-async def _http_error(_request: Request, exc: Any) -> Response:
-    """404/405 and friends in the OpenAI error shape, like every other error the gateway sends."""
-    status = exc.status_code
-    if status == 404:
-        body = error_body("No such route on this gateway.", "invalid_request_error", "not_found")
-    elif status == 405:
-        body = error_body("Method not allowed on this route.", "invalid_request_error", "method_not_allowed")
-    else:
-        body = error_body(str(exc.detail), "invalid_request_error", str(status))
-    return Response(body, status, headers=exc.headers, media_type="application/json")

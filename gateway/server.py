@@ -8,6 +8,8 @@ Listeners, all on one event loop, serving the one ``Gateway`` app (one lifespan)
 - ``server.tls.port`` (TCP, TLS): HTTP/2 or HTTP/1.1 by ALPN (``transports.h2_dispatch.TlsDispatch``).
 - ``server.tls.h3_port`` (UDP, QUIC): HTTP/3 (``transports.h3_server``), unless ``server.tls.h3`` is
   off; by default the same port number as the TLS listener.
+- ``admin.port`` (TCP, cleartext HTTP/1.1 on ``admin.host``, loopback by default): the admin plane
+  (``/admin/*``, ``/metrics``; ``gateway.admin``), a separate app that no public listener serves.
 
 Every connection, whatever its protocol, joins uvicorn's ``server_state``: the SIGTERM drain and
 uvicorn's shutdown (``connection.shutdown()`` on each, then wait for them) cover all of them.
@@ -27,9 +29,11 @@ from typing import Any
 
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.admin import KeyLookup
 from gateway.app import Gateway
-from gateway.config import Config, ConfigError
+from gateway.config import AdminConfig, Config, ConfigError
 from gateway.rlimits import raise_open_file_limit
 from transports.h1_limits import GuardedH1Protocol, H1Limits
 from transports.h2_dispatch import CleartextDispatch, TlsDispatch
@@ -58,6 +62,7 @@ class ExtraListeners:
     h3_stall_s: float | None = 30.0  # an HTTP/3 response with no room to send this long: reset
     alt_svc_port: int | None = None  # the HTTP/3 port as clients see it; None: the bound one
     alt_svc_max_age_s: int = 86400
+    admin: AdminConfig | None = None  # None: no admin listener
 
 
 class Server(uvicorn.Server):
@@ -75,6 +80,7 @@ class Server(uvicorn.Server):
         self.listening = asyncio.Event()
         self.extra = extra or ExtraListeners()
         self.urls: list[str] = []  # what each listener was announced as, cleartext first
+        self.admin_url: str | None = None  # the admin listener's, once it listens
         self.h3: Any = None  # the HTTP/3 listener while it runs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
@@ -104,6 +110,7 @@ class Server(uvicorn.Server):
             self.urls = [f"http://{_netloc(host, port)}"]
             try:
                 await self._start_extra()
+                await self._start_admin()
             except OSError as exc:  # as uvicorn does when its own port is taken: exit 3
                 print(f"sluicegate: cannot listen: {exc}", file=sys.stderr, flush=True)
                 for server in self.servers:
@@ -118,6 +125,8 @@ class Server(uvicorn.Server):
             for url in self.urls[1:]:
                 kind = "h3 " if url.startswith("udp:") else ""
                 print(f"sluicegate {kind}listening on {url}", flush=True)
+            if self.admin_url is not None:
+                print(f"sluicegate admin listening on {self.admin_url}", flush=True)
             self.listening.set()
 
     async def _start_extra(self) -> None:
@@ -152,6 +161,34 @@ class Server(uvicorn.Server):
         relay = getattr(config.app, "relay", None)
         if relay is not None:
             relay.alt_svc = alt_svc(extra, h3_port if self.h3 is not None else None)
+
+    async def _start_admin(self) -> None:
+        """The admin plane's listener: uvicorn's HTTP/1.1 protocol on a socket of its own, in this
+        process and loop, serving ``Gateway.admin`` (which needs no lifespan: the public app's runs
+        the gateway). Its connections join ``server_state``, so the shutdown covers them too."""
+        admin, app = self.extra.admin, getattr(self.config.app, "admin", None)
+        if admin is None or app is None:
+            return
+        config = self.config
+        admin_config = uvicorn.Config(
+            app, host=admin.host, port=admin.port, http="httptools", lifespan="off",
+            access_log=False, log_config=None, log_level=config.log_level, proxy_headers=False,
+            server_header=False, timeout_keep_alive=config.timeout_keep_alive,
+        )
+        admin_config.load()
+        loop = asyncio.get_running_loop()
+        state = self.lifespan.state
+
+        def admin_protocol() -> HttpToolsProtocol:
+            return HttpToolsProtocol(admin_config, self.server_state, state, loop)
+
+        try:
+            server = await loop.create_server(admin_protocol, host=admin.host, port=admin.port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"admin listener (admin.port): {exc.strerror or exc}") from exc
+        self.servers.append(server)
+        host, port = server.sockets[0].getsockname()[:2]
+        self.admin_url = f"http://{_netloc(host, port)}"
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.h3 is not None:
@@ -198,9 +235,10 @@ def extra_listeners(config: Config) -> ExtraListeners:
             max_window_updates_per_data_frame=lim.h2_max_window_updates_per_data_frame,
         ),
     )
+    admin = config.admin if config.admin.enabled else None
     tls = config.server.tls
     if tls is None:
-        return ExtraListeners(h2=h2, h1=h1)
+        return ExtraListeners(h2=h2, h1=h1, admin=admin)
     try:
         context = server_context(tls.cert, tls.key)
         quic = h3_limits = None
@@ -224,16 +262,17 @@ def extra_listeners(config: Config) -> ExtraListeners:
     return ExtraListeners(
         tls=context, tls_port=tls.port, quic=quic, h3_port=tls.h3_port, h2=h2, h1=h1,
         h3_limits=h3_limits, h3_stall_s=config.server.h3_limits.send_stall_s,
-        alt_svc_port=tls.alt_svc_port, alt_svc_max_age_s=tls.alt_svc_max_age_s,
+        alt_svc_port=tls.alt_svc_port, alt_svc_max_age_s=tls.alt_svc_max_age_s, admin=admin,
     )
 
 
-def build_server(config: Config, log_level: str = "info") -> Server:
+def build_server(config: Config, log_level: str = "info", lookup: KeyLookup | None = None) -> Server:
     """The server for ``config``; uvicorn's own access log is off (the gateway writes its own).
+    ``lookup`` finds API keys' records for the admin plane (``KeyStore.lookup``; see ``Gateway``).
 
     Raises ``ConfigError`` when the TLS certificate or key cannot be used."""
     extra = extra_listeners(config)
-    app = Gateway(config)
+    app = Gateway(config, lookup)
     http: Any = functools.partial(GuardedH1Protocol, limits=extra.h1)
     if config.server.h2c:
         http = functools.partial(CleartextDispatch, h2_settings=extra.h2, h1_limits=extra.h1)

@@ -105,8 +105,8 @@ def _open_fds(pid: int) -> int:
     return sum(len(os.listdir(f"/proc/{p}/fd")) for p in process_tree(pid))
 
 
-def _gateway_tasks(url: str) -> int | None:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+def _gateway_tasks(admin_url: str) -> int | None:
+    with urllib.request.urlopen(admin_url + "/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith("sluicegate_asyncio_tasks "):
                 return int(float(line.split()[1]))
@@ -197,7 +197,8 @@ def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, 
                 urllib.request.urlopen(
                     proxy.url + ("/readyz" if target == "gateway" else "/v1/models")
                 ).read()
-                fds0, tasks0 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
+                admin = proxy.admin_url if target == "gateway" else None
+                fds0, tasks0 = _open_fds(pid), _gateway_tasks(admin) if admin else None
                 proxy_port, pod_port = urlsplit(proxy.url).port, urlsplit(pod.url).port
                 with _capturing() as capture:
                     burst = asyncio.run(_burst(proxy.url, clients))
@@ -208,7 +209,7 @@ def run_target(target: str, clients: int, singles: int, pin: bool) -> dict[str, 
                         single, pod.url, proxy_port, pod_port, capture
                     )
                 time.sleep(1.0)
-                fds1, tasks1 = _open_fds(pid), _gateway_tasks(proxy.url) if target == "gateway" else None
+                fds1, tasks1 = _open_fds(pid), _gateway_tasks(admin) if admin else None
             finally:
                 proxy.stop() if target != "gateway" else proxy.__exit__(None, None, None)
     finally:

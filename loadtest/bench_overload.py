@@ -91,9 +91,9 @@ def _histogram_quantile(samples: list[tuple[float, float]], q: float) -> float |
     return lower_bound
 
 
-def gateway_view(url: str) -> dict[str, Any]:
+def gateway_view(admin_url: str) -> dict[str, Any]:
     """What the gateway thought of the pod: health transitions, excused timeouts, probe round trips."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(admin_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     view: dict[str, Any] = {"to_unhealthy": 0.0, "to_degraded": 0.0, "excused": 0.0, "panic": 0.0,
                             "shed_503": 0.0}
@@ -196,7 +196,7 @@ def run(streams: int, seconds: float, soak_seconds: float, tokens: int, pin: boo
             else:
                 with GatewayProcess(gateway_config(pod.url), cpu=PROXY_CORE if pin else None) as gw:
                     row = run_target(name, gw.url, [gw.pid], pod, streams, duration, tokens, hogs)
-                    row.update(gateway_view(gw.url))
+                    row.update(gateway_view(gw.admin_url))
         finally:
             pod.stop()
         rows.append(row)

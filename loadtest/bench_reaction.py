@@ -118,9 +118,9 @@ class Traffic:
 
 
 class Bench:
-    def __init__(self, session: aiohttp.ClientSession, gateway: str, pods: list[str], dcgm: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, admin: str, pods: list[str], dcgm: str) -> None:
         self.session = session
-        self.gateway = gateway
+        self.admin = admin  # the gateway's admin listener, where /admin/pods is
         self.pods = pods  # URLs, pod-0 .. pod-2
         self.dcgm = dcgm
         self.next_fault_at = 0.0  # no fault before this (see clear)
@@ -132,7 +132,7 @@ class Bench:
             return await resp.json()
 
     async def state(self, name: str) -> dict[str, Any]:
-        pods = (await self._json("GET", self.gateway + "/admin/pods"))["pods"]
+        pods = (await self._json("GET", self.admin + "/admin/pods"))["pods"]
         return next(p for p in pods if p["name"] == name)["state"]
 
     @staticmethod
@@ -167,7 +167,7 @@ class Bench:
     async def clear(self, scenario: str, interval_s: float) -> None:
         if scenario == "xid":  # the exporter's gauge is reset (a driver reload), an operator clears the pod
             await self._json("DELETE", self.dcgm + "/faults")
-            await self._json("POST", self.gateway + f"/admin/pods/pod-{VICTIM}/clear")
+            await self._json("POST", self.admin + f"/admin/pods/pod-{VICTIM}/clear")
             # DCGM's gauge holds the *last* XID: until the gateway has read the reset page, a new XID 79
             # looks like the one the operator just cleared, and is rightly ignored. Nothing outside the
             # gateway shows when it read the exporter, so the next fault waits one reading interval.
@@ -251,6 +251,7 @@ def gateway_config(pods: list[str], dcgm_url: str, interval_s: float) -> dict[st
 
 async def _measure(
     gateway: str,
+    admin: str,
     pods: list[str],
     dcgm: str,
     rounds: int,
@@ -261,7 +262,7 @@ async def _measure(
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        bench = Bench(session, gateway, pods, dcgm)
+        bench = Bench(session, admin, pods, dcgm)
         for i in range(len(pods)):
             if await bench.wait_state(f"pod-{i}", bench.back, 10 * interval_s + 5) is None:
                 raise RuntimeError(f"pod-{i} never became routable with fresh metrics")
@@ -307,8 +308,9 @@ def run(
         try:
             config = gateway_config([p.url for p in pods], dcgm.url, interval_s)
             with GatewayProcess(config, cpu=PROXY_CORE if pin else None) as gw:
+                pod_urls = [p.url for p in pods]
                 result = asyncio.run(
-                    _measure(gw.url, [p.url for p in pods], dcgm.url, rounds, interval_s, clients, scenarios)
+                    _measure(gw.url, gw.admin_url, pod_urls, dcgm.url, rounds, interval_s, clients, scenarios)
                 )
         finally:
             for pod in pods:

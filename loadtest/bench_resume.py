@@ -73,8 +73,8 @@ async def _run(url: str, direct: str, streams: int) -> dict[str, float]:
     }
 
 
-def _resumes(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics") as resp:
+def _resumes(admin_url: str) -> float:
+    with urllib.request.urlopen(admin_url + "/metrics") as resp:
         lines = resp.read().decode().splitlines()
     return sum(
         float(x.rsplit(" ", 1)[1])
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         with GatewayProcess(config) as gw:
             result = asyncio.run(_run(gw.url, good.url, args.streams))
-            result["resumes"] = _resumes(gw.url)
+            result["resumes"] = _resumes(gw.admin_url)
     section = (
         f"Command: `python -m loadtest.bench_resume --streams {args.streams}`\n\n"
         "| streams | text whole | resumes | ordinary gap ms | longest gap p50 ms | longest gap p99 ms |\n"

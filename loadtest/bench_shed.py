@@ -33,8 +33,8 @@ CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "m
 CHAT["stream"] = True
 
 
-def _breakers_open(url: str) -> bool:
-    with urllib.request.urlopen(url + "/admin/pods", timeout=5) as resp:
+def _breakers_open(admin_url: str) -> bool:
+    with urllib.request.urlopen(admin_url + "/admin/pods", timeout=5) as resp:
         pods = json.loads(resp.read())["pods"]
     return all(p["state"]["breaker"]["pressure"] == "open" for p in pods)
 
@@ -106,7 +106,7 @@ def run(requests: int, pin: bool) -> list[dict[str, Any]]:
         # The gateway alone on its core; this client and the pods on the load core (see main).
         with GatewayProcess(config, cpu=PROXY_CORE if pin else None) as gw:
             deadline = time.monotonic() + 10
-            while not _breakers_open(gw.url):
+            while not _breakers_open(gw.admin_url):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pressure breakers never opened")
                 time.sleep(0.1)

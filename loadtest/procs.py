@@ -1,7 +1,8 @@
 """Start the gateway as a real child process and wait for it to listen (tests, bench, soak).
 
 The gateway prints ``sluicegate listening on http://HOST:PORT`` on stdout once its socket is
-bound and its first discovery round is done; waiting for that line is an event, not a poll.
+bound and its first discovery round is done; waiting for that line is an event, not a poll. The
+admin listener's line (``sluicegate admin listening on ...``) follows the public ones.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from typing import IO, Any
 import yaml
 
 READY_PREFIX = "sluicegate listening on "
+ADMIN_PREFIX = "sluicegate admin listening on "
 
 
 class GatewayProcess:
-    """``sluicegate serve`` on a free port with the given config (a dict, written to a temp file)."""
+    """``sluicegate serve`` on a free port with the given config (a dict, written to a temp file).
+
+    ``url`` is the public listener's, ``admin_url`` the admin plane's (``/admin/*``, ``/metrics``),
+    also on a free port unless the config names ``admin.port``."""
 
     def __init__(
         self,
@@ -38,6 +43,7 @@ class GatewayProcess:
         self.cpu = cpu
         self.startup_timeout_s = startup_timeout_s
         self.url = ""
+        self.admin_url = ""
         self.proc: subprocess.Popen[str] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="sluicegate-")
         self.log_path = Path(self._dir.name) / "gateway.log"
@@ -53,6 +59,8 @@ class GatewayProcess:
         config = {**self.config, "server": {**self.config.get("server", {}), "port": 0}}
         # Tests and benchmarks of other features run without keys unless their config names auth.
         config.setdefault("auth", {"enabled": False})
+        # Parallel gateways must not all want the admin port's default (9090).
+        config["admin"] = {"port": 0, **config.get("admin", {})}
         config_path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), *self.extra_args]
         if self.cpu is not None:
@@ -67,6 +75,14 @@ class GatewayProcess:
                 f"gateway did not start (exit {self.proc.returncode}); its log:\n{self.log_path.read_text()}"
             )
         self.url = line[len(READY_PREFIX) :].strip()
+        if config["admin"].get("enabled", True):
+            while line and not line.startswith(ADMIN_PREFIX):  # the public listeners' lines first
+                line = _read_line_within(self.proc.stdout, self.startup_timeout_s)
+            if not line:
+                self.stop()
+                log = self.log_path.read_text()
+                raise RuntimeError(f"gateway announced no admin listener; its log:\n{log}")
+            self.admin_url = line[len(ADMIN_PREFIX) :].strip()
         threading.Thread(target=_drain, args=(self.proc.stdout,), daemon=True).start()
         return self
 

@@ -106,10 +106,10 @@ async def _drive(
     return outcomes, slowest
 
 
-def _runtime(url: str) -> dict[str, float]:
+def _runtime(admin_url: str) -> dict[str, float]:
     import urllib.request
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(admin_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     values: dict[str, float] = collections.defaultdict(float)
     for line in text.splitlines():
@@ -144,17 +144,17 @@ def run(duration_s: float, concurrency: int, seed: int = 7) -> dict[str, Any]:
             "pods": [{"name": f"pod-{i}", "url": p.url, "models": ["llama-8b"]} for i, p in enumerate(pods)],
         }
         with GatewayProcess(config) as gw:
-            baseline = _runtime(gw.url)
+            baseline = _runtime(gw.admin_url)
             outcomes, slowest = asyncio.run(_drive(gw.url, duration_s, concurrency, seed))
             deadline = time.monotonic() + 10
-            after = _runtime(gw.url)
+            after = _runtime(gw.admin_url)
             while time.monotonic() < deadline and (
                 after.get("sluicegate_in_flight_requests", 0) > 0
                 or after["sluicegate_asyncio_tasks"] > baseline["sluicegate_asyncio_tasks"]
                 or _unexplained_fds(after) > _unexplained_fds(baseline) + 3
             ):
                 time.sleep(0.2)
-                after = _runtime(gw.url)
+                after = _runtime(gw.admin_url)
     finally:
         for pod in pods:
             pod.stop()

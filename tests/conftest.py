@@ -34,6 +34,11 @@ class Fleet:
     def url(self) -> str:
         return self.gateway.url
 
+    @property
+    def admin_url(self) -> str:
+        """The admin listener (``/admin/*``, ``/metrics``); the public ``url`` does not serve them."""
+        return self.gateway.admin_url
+
 
 def unused_port() -> int:
     """A loopback port nothing listens on (bound then released, so connects are refused)."""
@@ -111,16 +116,17 @@ def tls_config(fleet: Fleet, cert: Path, key: Path, port: int, **tls: Any) -> di
     }
 
 
-def pod_state(url: str, name: str) -> dict[str, Any]:
-    """The live state of the gateway's pod ``name``, from ``/admin/pods``."""
-    pods = httpx.get(url + "/admin/pods").json()["pods"]
+def pod_state(admin_url: str, name: str) -> dict[str, Any]:
+    """The live state of the gateway's pod ``name``, from ``/admin/pods`` on its admin listener."""
+    pods = httpx.get(admin_url + "/admin/pods").json()["pods"]
     return next(p for p in pods if p["name"] == name)["state"]
 
 
-def counter_totals(url: str, family: str, label: str, **where: str) -> dict[str, float]:
-    """A counter's ``_total`` values on ``url``'s /metrics by ``label``, of samples matching ``where``."""
+def counter_totals(admin_url: str, family: str, label: str, **where: str) -> dict[str, float]:
+    """A counter's ``_total`` values on the admin listener's /metrics by ``label``, of samples
+    matching ``where``."""
     totals: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    for fam in text_string_to_metric_families(httpx.get(admin_url + "/metrics").text):
         if fam.name == family:
             for s in fam.samples:
                 if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in where.items()):
@@ -128,8 +134,8 @@ def counter_totals(url: str, family: str, label: str, **where: str) -> dict[str,
     return totals
 
 
-def gateway_in_flight(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
+def gateway_in_flight(admin_url: str) -> float:
+    text = httpx.get(admin_url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     return sum(s.value for s in families["sluicegate_in_flight_requests"].samples)
 

@@ -106,7 +106,7 @@ def test_keys_from_the_user_field_a_header_or_the_prompt_prefix() -> None:
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[tuple[str, dict[str, PodsimProcess]]]:
+def gateway() -> Iterator[tuple[GatewayProcess, dict[str, PodsimProcess]]]:
     pods = {f"pod-{i}": PodsimProcess(["--model", "llama-8b", *FAST]) for i in range(3)}
     for pod in pods.values():
         pod.start()
@@ -119,7 +119,7 @@ def gateway() -> Iterator[tuple[str, dict[str, PodsimProcess]]]:
             "pods": [{"name": n, "url": p.url, "models": ["llama-8b"]} for n, p in pods.items()],
         }
         with GatewayProcess(config) as gw:
-            yield gw.url, pods
+            yield gw, pods
     finally:
         for pod in pods.values():
             pod.stop()
@@ -136,14 +136,15 @@ def served_by(url: str, user: str | None) -> str:
 
 
 def test_a_users_requests_stay_on_one_pod_until_it_fails_then_move_to_one_other(
-    gateway: tuple[str, dict[str, PodsimProcess]],
+    gateway: tuple[GatewayProcess, dict[str, PodsimProcess]],
 ) -> None:
-    url, pods = gateway
+    gw, pods = gateway
+    url = gw.url
     homes = {user: {served_by(url, user) for _ in range(6)} for user in ("alice", "bob", "carol", "dave")}
     assert all(len(pods_seen) == 1 for pods_seen in homes.values()), homes
     assert len(Counter(served_by(url, None) for _ in range(12))) > 1  # no key: load balancing
     alice = homes["alice"].pop()
     pods[alice].stop()  # alice's pod goes away
-    assert wait_for(lambda: not pod_state(url, alice)["routable"])
+    assert wait_for(lambda: not pod_state(gw.admin_url, alice)["routable"])
     moved = {served_by(url, "alice") for _ in range(6)}
     assert len(moved) == 1 and alice not in moved

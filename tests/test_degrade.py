@@ -83,7 +83,7 @@ CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "tell me"}
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[str]:
+def gateway() -> Iterator[GatewayProcess]:
     with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "25"]) as pod:
         config = {
             "server": {"host": "127.0.0.1"},
@@ -95,7 +95,7 @@ def gateway() -> Iterator[str]:
             "pods": [{"name": "slow", "url": pod.url, "models": ["llama-8b"]}],
         }
         with GatewayProcess(config) as gw:
-            yield gw.url
+            yield gw
 
 
 def stream(url: str, key: str, **extra: object) -> tuple[str, httpx.Headers, list[dict]]:
@@ -110,25 +110,28 @@ def stream(url: str, key: str, **extra: object) -> tuple[str, httpx.Headers, lis
     return text, resp.headers, chunks
 
 
-def itl_p95_ms(url: str) -> float | None:
-    return pod_state(url, "slow")["load"]["itl_p95_ms"]
+def itl_p95_ms(admin_url: str) -> float | None:
+    return pod_state(admin_url, "slow")["load"]["itl_p95_ms"]
 
 
-def test_a_degrading_tier_streams_until_the_pod_is_slow_then_gets_whole_answers(gateway: str) -> None:
+def test_a_degrading_tier_streams_until_the_pod_is_slow_then_gets_whole_answers(
+    gateway: GatewayProcess,
+) -> None:
+    url = gateway.url
     # no pace measured yet: the free tier streams like everyone else
-    streamed, headers, chunks = stream(gateway, "sk-free")
+    streamed, headers, chunks = stream(url, "sk-free")
     assert "x-sluicegate-degraded" not in headers
     assert len(chunks) > 10  # token by token
     # the pod has now streamed 30 tokens at 25 ms: its p95 gap is over the free tier's 15 ms
-    assert wait_for(lambda: (itl_p95_ms(gateway) or 0) > 15)
-    whole, headers, chunks = stream(gateway, "sk-free", stream_options={"include_usage": True})
+    assert wait_for(lambda: (itl_p95_ms(gateway.admin_url) or 0) > 15)
+    whole, headers, chunks = stream(url, "sk-free", stream_options={"include_usage": True})
     assert headers["x-sluicegate-degraded"] == "non-streaming"
     assert whole == streamed  # the same answer, in one piece
     assert len(chunks) == 3 and chunks[-1]["usage"]["completion_tokens"] == 30
     # the paid tier has no degrade setting: it keeps streaming
-    paid, headers, chunks = stream(gateway, "sk-paid")
+    paid, headers, chunks = stream(url, "sk-paid")
     assert "x-sluicegate-degraded" not in headers and len(chunks) > 10 and paid == streamed
     # and the OpenAI SDK reads a degraded answer like any stream
-    client = openai.OpenAI(base_url=gateway + "/v1", api_key="sk-free", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-free", max_retries=0)
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**CHAT, stream=True)]
     assert "".join(pieces) == streamed

@@ -25,10 +25,11 @@ CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "m
 class Slices:
     def __init__(self, gateway: GatewayProcess, dcgm: DcgmsimProcess) -> None:
         self.url = gateway.url
+        self.admin_url = gateway.admin_url
         self.dcgm = dcgm
 
     def state(self, name: str) -> dict[str, Any]:
-        return pod_state(self.url, name)
+        return pod_state(self.admin_url, name)
 
     def xid(self, xid: int, gpu_instance_id: int | None) -> None:
         fault = {"gpu_uuid": GPU, "gpu_instance_id": gpu_instance_id, "xid": xid}
@@ -74,7 +75,7 @@ def clean(slices: Slices) -> Iterator[None]:
     yield
     httpx.delete(slices.dcgm.url + "/faults")
     for name in ("pod-a", "pod-b"):
-        httpx.post(slices.url + f"/admin/pods/{name}/clear")
+        httpx.post(slices.admin_url + f"/admin/pods/{name}/clear")
     assert wait_for(lambda: all(slices.state(n)["health"] == "healthy" for n in ("pod-a", "pod-b")))
 
 
@@ -100,7 +101,7 @@ def test_a_critical_xid_takes_the_gpu_out_and_stays_until_cleared(slices: Slices
     assert wait_for(lambda: " 79" not in httpx.get(slices.dcgm.url + "/metrics").text)
     assert slices.state("pod-a")["health"] == "unhealthy"
     # an operator checked pod-a's slice
-    cleared = httpx.post(slices.url + "/admin/pods/pod-a/clear")
+    cleared = httpx.post(slices.admin_url + "/admin/pods/pod-a/clear")
     assert cleared.status_code == 200
     assert wait_for(lambda: slices.state("pod-a")["health"] == "healthy")
     assert slices.served(4) == {"pod-a"}
@@ -113,5 +114,5 @@ def test_a_double_bit_ecc_error_marks_the_gpu_too(slices: Slices) -> None:
 
 
 def test_clearing_an_unknown_pod_is_a_404(slices: Slices) -> None:
-    resp = httpx.post(slices.url + "/admin/pods/nope/clear")
+    resp = httpx.post(slices.admin_url + "/admin/pods/nope/clear")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "pod_not_found"

@@ -24,7 +24,7 @@ LONG = {
 
 
 @pytest.fixture(scope="module")
-def gateway(fleet: Fleet) -> Iterator[str]:
+def gateway(fleet: Fleet) -> Iterator[GatewayProcess]:
     config = {
         "server": {"host": "127.0.0.1", "access_log": False},
         "pods": [
@@ -33,11 +33,11 @@ def gateway(fleet: Fleet) -> Iterator[str]:
         ],
     }
     with GatewayProcess(config) as gw:
-        yield gw.url
+        yield gw
 
 
-def _runtime(url: str) -> dict[str, float]:
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+def _runtime(admin_url: str) -> dict[str, float]:
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(admin_url + "/metrics").text)}
     return {
         "tasks": families["sluicegate_asyncio_tasks"].samples[0].value,
         "upstream": families["sluicegate_upstream_connections"].samples[0].value,
@@ -59,20 +59,23 @@ def _open_stream(url: str, headers: str = "") -> socket.socket:
     return sock
 
 
-def test_forty_clients_leaving_abort_forty_generations_and_leak_nothing(gateway: str, fleet: Fleet) -> None:
-    httpx.post(gateway + "/v1/chat/completions", json={**LONG, "max_tokens": 2})  # warm the pools
-    baseline = _runtime(gateway)
+def test_forty_clients_leaving_abort_forty_generations_and_leak_nothing(
+    gateway: GatewayProcess, fleet: Fleet
+) -> None:
+    url, admin = gateway.url, gateway.admin_url
+    httpx.post(url + "/v1/chat/completions", json={**LONG, "max_tokens": 2})  # warm the pools
+    baseline = _runtime(admin)
     aborts = pod_aborts(fleet)
-    streaming = [_open_stream(gateway) for _ in range(20)]
+    streaming = [_open_stream(url) for _ in range(20)]
     for sock in streaming:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # tokens are flowing
-    waiting = [_open_stream(gateway, "x-podsim-fault: first_token_delay_ms=30000\r\n") for _ in range(20)]
-    assert wait_for(lambda: _runtime(gateway)["in_flight"] == 40)
+    waiting = [_open_stream(url, "x-podsim-fault: first_token_delay_ms=30000\r\n") for _ in range(20)]
+    assert wait_for(lambda: _runtime(admin)["in_flight"] == 40)
     for sock in streaming + waiting:
         sock.close()
     assert wait_for(lambda: pod_aborts(fleet) >= aborts + 40)
-    assert wait_for(lambda: _runtime(gateway)["in_flight"] == 0)
-    after = _runtime(gateway)
+    assert wait_for(lambda: _runtime(admin)["in_flight"] == 0)
+    after = _runtime(admin)
     assert after["tasks"] == baseline["tasks"]
     assert after["fds"] <= baseline["fds"]
     assert after["upstream"] <= baseline["upstream"]

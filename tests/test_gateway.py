@@ -244,7 +244,7 @@ def test_health_readiness_and_admin_pods(fleet: Fleet) -> None:
     assert httpx.get(fleet.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(fleet.url + "/readyz")
     assert ready.status_code == 200 and "llama-8b" in ready.json()["models"]
-    pods = {p["name"]: p for p in httpx.get(fleet.url + "/admin/pods").json()["pods"]}
+    pods = {p["name"]: p for p in httpx.get(fleet.admin_url + "/admin/pods").json()["pods"]}
     assert pods["pod-a"]["mig"] == {
         "gpu_uuid": pods["pod-a"]["mig"]["gpu_uuid"],
         "mig_uuid": MIG_A,
@@ -261,7 +261,7 @@ def test_health_readiness_and_admin_pods(fleet: Fleet) -> None:
 
 def test_metrics_parse_and_count_requests(fleet: Fleet) -> None:
     httpx.post(fleet.url + "/v1/chat/completions", json={**CHAT, "stream": True})
-    resp = httpx.get(fleet.url + "/metrics")
+    resp = httpx.get(fleet.admin_url + "/metrics")
     assert resp.status_code == 200
     families = {f.name: f for f in text_string_to_metric_families(resp.text)}
     requests = families["sluicegate_requests"]
@@ -289,7 +289,7 @@ def test_client_leaving_mid_stream_aborts_the_pods_generation(fleet: Fleet) -> N
         assert resp.status_code == 200
         next(resp.iter_bytes())  # tokens are flowing; now leave
     assert wait_for(lambda: pod_aborts(fleet) >= before + 1)
-    assert wait_for(lambda: gateway_in_flight(fleet.url) == 0)
+    assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)
 
 
 def test_client_leaving_while_waiting_for_the_first_token_aborts_too(fleet: Fleet) -> None:
@@ -300,4 +300,4 @@ def test_client_leaving_while_waiting_for_the_first_token_aborts_too(fleet: Flee
             fleet.url + "/v1/chat/completions", json=LONG, headers=slow, timeout=httpx.Timeout(30, read=0.5)
         )
     assert wait_for(lambda: pod_aborts(fleet) >= before + 1)
-    assert wait_for(lambda: gateway_in_flight(fleet.url) == 0)
+    assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)

@@ -137,10 +137,10 @@ def sse_text(url: str, body: dict[str, Any]) -> str:
     return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
-def requests_total(url: str, status: str, transport: str | None = None) -> float:
+def requests_total(admin_url: str, status: str, transport: str | None = None) -> float:
     """The relay's count of finished chat requests with this status (and transport label)."""
     where = {"route": "chat"} if transport is None else {"route": "chat", "transport": transport}
-    return counter_totals(url, "sluicegate_requests", "status", **where).get(status, 0.0)
+    return counter_totals(admin_url, "sluicegate_requests", "status", **where).get(status, 0.0)
 
 
 # -- the same answer ---------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_a_connect_client_streams_the_same_text_as_the_openai_sdk(
 ) -> None:
     expected = sse_text(fleet.url, ASK)
     assert len(expected.split()) == 12
-    before = requests_total(fleet.url, "200", "grpc-web")
+    before = requests_total(fleet.admin_url, "200", "grpc-web")
     call = {"baseUrl": fleet.url, "httpVersion": http_version}
     stream, unary = connect(
         descriptor_set,
@@ -175,7 +175,7 @@ def test_a_connect_client_streams_the_same_text_as_the_openai_sdk(
     assert unary["text"] == expected and unary["finishReason"] == "length"
     assert unary["usage"]["completion"] == 12
     # one request lifecycle: the relay counted both, under the gRPC-Web transport label
-    assert requests_total(fleet.url, "200", "grpc-web") == before + 2
+    assert requests_total(fleet.admin_url, "200", "grpc-web") == before + 2
 
 
 def test_grpc_web_text_mode_carries_the_same_answer(fleet: Fleet) -> None:
@@ -195,7 +195,7 @@ def test_grpc_web_text_mode_carries_the_same_answer(fleet: Fleet) -> None:
 
 @needs_connect
 def test_gateway_errors_reach_a_connect_client_as_grpc_codes(fleet: Fleet, descriptor_set: Path) -> None:
-    not_found_before = requests_total(fleet.url, "404")
+    not_found_before = requests_total(fleet.admin_url, "404")
     call = {"baseUrl": fleet.url, "method": "StreamChatCompletion"}
     unknown, invalid, pod_429, deadline, client_deadline = connect(
         descriptor_set,
@@ -218,7 +218,7 @@ def test_gateway_errors_reach_a_connect_client_as_grpc_codes(fleet: Fleet, descr
     )
     assert client_deadline["codeName"] == "DeadlineExceeded"
     # the same lifecycle counted them, as it counts HTTP clients
-    assert requests_total(fleet.url, "404") == not_found_before + 1
+    assert requests_total(fleet.admin_url, "404") == not_found_before + 1
 
 
 def test_grpc_timeout_becomes_the_gateways_deadline_and_aborts_the_pod(fleet: Fleet) -> None:
@@ -255,7 +255,7 @@ def test_bad_envelopes_are_answered_in_grpc_form(fleet: Fleet) -> None:
 
 
 @pytest.fixture(scope="module")
-def full_pod() -> Iterator[tuple[PodsimProcess, str]]:
+def full_pod() -> Iterator[tuple[PodsimProcess, GatewayProcess]]:
     """One pod and a gateway that scrapes its KV-cache usage every 0.1 s."""
     with PodsimProcess(["--model", "llama-8b", *FAST]) as pod:
         config = {
@@ -264,18 +264,19 @@ def full_pod() -> Iterator[tuple[PodsimProcess, str]]:
             "pods": [{"name": "pod-a", "url": pod.url, "models": ["llama-8b"]}],
         }
         with GatewayProcess(config) as gw:
-            yield pod, gw.url
+            yield pod, gw
 
 
 @needs_connect
 def test_a_shed_request_is_resource_exhausted(
-    full_pod: tuple[PodsimProcess, str], descriptor_set: Path
+    full_pod: tuple[PodsimProcess, GatewayProcess], descriptor_set: Path
 ) -> None:
-    pod, url = full_pod
+    pod, gw = full_pod
+    url = gw.url
 
     assert httpx.post(pod.url + "/admin/faults", json={"kv_usage": 0.97}).status_code == 200
     try:
-        assert wait_for(lambda: pod_state(url, "pod-a")["breaker"]["pressure"] == "open")
+        assert wait_for(lambda: pod_state(gw.admin_url, "pod-a")["breaker"]["pressure"] == "open")
         (shed,) = connect(descriptor_set, {"baseUrl": url, "method": "StreamChatCompletion", "request": ASK})
     finally:
         httpx.delete(pod.url + "/admin/faults")
@@ -336,6 +337,6 @@ def test_a_client_that_cancels_mid_stream_aborts_the_pods_generation(
         # the Node process is still alive: the abort, not its exit, reached the pod
         assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)
         assert node.poll() is None
-        assert wait_for(lambda: gateway_in_flight(fleet.url) == 0)
+        assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)
     finally:
         node.communicate(timeout=10)

@@ -43,11 +43,11 @@ def shared_free_port() -> int:
 
 class Cluster:
     def __init__(self, kube: FakeKube, gateway: GatewayProcess) -> None:
-        self.kube, self.url = kube, gateway.url
+        self.kube, self.url, self.admin_url = kube, gateway.url, gateway.admin_url
 
     async def pods(self) -> dict[str, dict[str, Any]]:
         async with httpx.AsyncClient() as client:
-            listing = (await client.get(self.url + "/admin/pods")).json()["pods"]
+            listing = (await client.get(self.admin_url + "/admin/pods")).json()["pods"]
         return {p["name"]: p for p in listing}
 
     async def until(self, check: Any, timeout_s: float = 10.0) -> bool:

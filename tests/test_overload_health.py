@@ -40,12 +40,12 @@ def slow_probe() -> Iterator[tuple[PodsimProcess, GatewayProcess]]:
         yield pod, gw
 
 
-def transitions(url: str, to: str) -> float:
-    return counter_totals(url, "sluicegate_pod_transitions", "to", pod="pod-a", kind="health").get(to, 0.0)
+def transitions(admin: str, to: str) -> float:
+    return counter_totals(admin, "sluicegate_pod_transitions", "to", pod="pod-a", kind="health").get(to, 0.0)
 
 
-def excused(url: str) -> float:
-    return counter_totals(url, "sluicegate_probe_timeouts_excused", "pod").get("pod-a", 0.0)
+def excused(admin_url: str) -> float:
+    return counter_totals(admin_url, "sluicegate_probe_timeouts_excused", "pod").get("pod-a", 0.0)
 
 
 def test_a_pod_slow_to_answer_its_probe_stays_in_service_while_it_serves(slow_probe) -> None:
@@ -63,41 +63,41 @@ def test_a_pod_slow_to_answer_its_probe_stays_in_service_while_it_serves(slow_pr
     worker.start()
     try:
         # several probes in a row time out (each would count towards unhealthy_after=2) ...
-        assert wait_for(lambda: excused(gw.url) >= 5, timeout_s=20)
+        assert wait_for(lambda: excused(gw.admin_url) >= 5, timeout_s=20)
     finally:
         stop.set()
         worker.join()
     # ... and none was held against the pod: it never left service, no client saw an error
-    assert transitions(gw.url, "unhealthy") == 0 and transitions(gw.url, "degraded") == 0
+    assert transitions(gw.admin_url, "unhealthy") == 0 and transitions(gw.admin_url, "degraded") == 0
     assert statuses and set(statuses) == {200}
-    assert pod_state(gw.url, "pod-a")["health"] == "healthy"
+    assert pod_state(gw.admin_url, "pod-a")["health"] == "healthy"
 
     # With no traffic to vouch for it, the timeouts count: the pod is unhealthy by its probes ...
-    assert wait_for(lambda: pod_state(gw.url, "pod-a")["health"] == "unhealthy", timeout_s=20)
+    assert wait_for(lambda: pod_state(gw.admin_url, "pod-a")["health"] == "unhealthy", timeout_s=20)
     # ... yet it is the model's only live pod, so the panic threshold still routes to it: a slow
     # probe is not an outage
     resp = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
     assert resp.status_code == 200 and "[DONE]" in resp.text
-    assert httpx.get(gw.url + "/admin/pods").json()["panic"] == ["llama-8b"]
-    assert "sluicegate_panic{model=\"llama-8b\"} 1.0" in httpx.get(gw.url + "/metrics").text
+    assert httpx.get(gw.admin_url + "/admin/pods").json()["panic"] == ["llama-8b"]
+    assert "sluicegate_panic{model=\"llama-8b\"} 1.0" in httpx.get(gw.admin_url + "/metrics").text
     assert httpx.get(gw.url + "/readyz").status_code == 200
 
     httpx.delete(pod.url + "/admin/faults")
-    assert wait_for(lambda: pod_state(gw.url, "pod-a")["health"] == "healthy", timeout_s=20)
-    assert httpx.get(gw.url + "/admin/pods").json()["panic"] == []
+    assert wait_for(lambda: pod_state(gw.admin_url, "pod-a")["health"] == "healthy", timeout_s=20)
+    assert httpx.get(gw.admin_url + "/admin/pods").json()["panic"] == []
 
 
 def test_a_pod_that_says_it_is_broken_is_not_rescued_by_the_panic_threshold(slow_probe) -> None:
     pod, gw = slow_probe
     assert httpx.post(pod.url + "/admin/faults", json={"unhealthy": 1}).status_code == 200
     try:
-        assert wait_for(lambda: pod_state(gw.url, "pod-a")["health"] == "unhealthy", timeout_s=20)
+        assert wait_for(lambda: pod_state(gw.admin_url, "pod-a")["health"] == "unhealthy", timeout_s=20)
         resp = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_healthy_upstream"
         assert int(resp.headers["retry-after"]) >= 1
     finally:
         httpx.delete(pod.url + "/admin/faults")
-    assert wait_for(lambda: pod_state(gw.url, "pod-a")["health"] == "healthy", timeout_s=20)
+    assert wait_for(lambda: pod_state(gw.admin_url, "pod-a")["health"] == "healthy", timeout_s=20)
 
 
 def test_when_the_last_pod_goes_away_the_first_request_already_gets_503_and_retry_after() -> None:

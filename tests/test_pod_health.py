@@ -29,12 +29,13 @@ class Pods:
     def __init__(self, a: PodsimProcess, b: PodsimProcess, gateway: GatewayProcess) -> None:
         self.a, self.b, self.gateway = a, b, gateway
         self.url = gateway.url
+        self.admin_url = gateway.admin_url
 
     def fault(self, pod: PodsimProcess, **knobs: Any) -> None:
         assert httpx.post(pod.url + "/admin/faults", json=knobs).status_code == 200
 
     def state(self, name: str) -> dict[str, Any]:
-        return pod_state(self.url, name)
+        return pod_state(self.admin_url, name)
 
     def served_by(self, n: int) -> Counter[str]:
         """Which pods answered ``n`` requests, by the pods' own count of finished requests."""
@@ -176,5 +177,5 @@ def test_consecutive_pod_errors_eject_it_but_4xx_answers_never_do(pods: Pods) ->
     assert state["breaker"]["outlier"] == "open", state
     assert "3 failures in a row" in state["breaker"]["outlier_reason"]
     assert pods.served_by(4) == {"pod-b": 4}
-    metrics = httpx.get(pods.url + "/metrics").text
+    metrics = httpx.get(pods.admin_url + "/metrics").text
     assert 'sluicegate_pod_transitions_total{kind="outlier",pod="pod-a",to="open"} 1.0' in metrics

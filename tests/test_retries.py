@@ -46,8 +46,8 @@ def _set_faults(pod: PodsimProcess, faults: dict) -> None:
     httpx.post(pod.url + "/admin/faults", json=faults).raise_for_status()
 
 
-def _attempts(url: str) -> dict[str, float]:
-    return counter_totals(url, "sluicegate_upstream_attempts", "outcome")
+def _attempts(admin_url: str) -> dict[str, float]:
+    return counter_totals(admin_url, "sluicegate_upstream_attempts", "outcome")
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +72,7 @@ def test_retryable_failures_are_retried_on_another_pod(pair: Pair, faults: dict,
             resp = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
             assert resp.status_code == 200 and resp.headers["x-sluicegate-pod"] == "good"
             assert resp.content.endswith(b"data: [DONE]\n\n")
-        attempts = _attempts(gw.url)
+        attempts = _attempts(gw.admin_url)
         assert attempts["ok"] == 4 and attempts[outcome] >= 1
 
 
@@ -87,13 +87,13 @@ def test_a_pod_that_went_away_is_retried_by_connect_error(pair: Pair) -> None:
         }
         with GatewayProcess(config) as gw:
             # Once both pods' metrics are in, both are candidates; a pod never scraped counts as full.
-            admin = gw.url + "/admin/pods"
+            admin = gw.admin_url + "/admin/pods"
             assert wait_for(lambda: all(p["state"]["load"]["fresh"] for p in httpx.get(admin).json()["pods"]))
             doomed.stop()
             for _ in range(3):
                 resp = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
                 assert resp.status_code == 200 and resp.headers["x-sluicegate-pod"] == "good"
-            assert _attempts(gw.url).get("connect_error", 0) == 1  # then it is marked unreachable
+            assert _attempts(gw.admin_url).get("connect_error", 0) == 1  # then it is marked unreachable
 
 
 def test_a_4xx_from_the_pod_is_final(pair: Pair) -> None:
@@ -101,7 +101,7 @@ def test_a_4xx_from_the_pod_is_final(pair: Pair) -> None:
     with _gateway(pair) as gw:
         resp = httpx.post(gw.url + "/v1/chat/completions", json=bad_request, timeout=30)
         assert resp.status_code == 400
-        assert _attempts(gw.url) == {"failed": 1}
+        assert _attempts(gw.admin_url) == {"failed": 1}
 
 
 def test_the_retry_budget_caps_retries_when_every_pod_fails(pair: Pair) -> None:
@@ -118,6 +118,6 @@ def test_the_retry_budget_caps_retries_when_every_pod_fails(pair: Pair) -> None:
             )
             statuses.append(resp.status_code)
         assert set(statuses) == {503}
-        attempts = _attempts(gw.url)
+        attempts = _attempts(gw.admin_url)
         retries = sum(attempts.values()) - 20
         assert 1 <= retries <= 4  # at most 20 % of 20 requests

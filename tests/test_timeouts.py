@@ -18,7 +18,7 @@ LONG = {**CHAT, "max_tokens": 4000, "ignore_eos": True}  # ~8 s at the fleet's 2
 
 
 @pytest.fixture(scope="module")
-def strict(fleet: Fleet) -> Iterator[str]:
+def strict_gateway(fleet: Fleet) -> Iterator[GatewayProcess]:
     """A gateway with short timeouts in front of the same pods."""
     config = {
         "server": {"host": "127.0.0.1"},
@@ -41,7 +41,18 @@ def strict(fleet: Fleet) -> Iterator[str]:
         ],
     }
     with GatewayProcess(config) as gw:
-        yield gw.url
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def strict(strict_gateway: GatewayProcess) -> str:
+    return strict_gateway.url
+
+
+@pytest.fixture(scope="module")
+def strict_admin(strict_gateway: GatewayProcess) -> str:
+    """The strict gateway's admin listener, where its metrics are."""
+    return strict_gateway.admin_url
 
 
 def _post(url: str, body: dict, **headers: str) -> httpx.Response:
@@ -63,8 +74,8 @@ def _ends_with_timeout_event(resp: httpx.Response, stage: str) -> list[bytes]:
     return events
 
 
-def _timeouts(url: str) -> dict[str, float]:
-    return counter_totals(url, "sluicegate_timeouts", "stage")
+def _timeouts(admin_url: str) -> dict[str, float]:
+    return counter_totals(admin_url, "sluicegate_timeouts", "stage")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -75,15 +86,17 @@ def test_first_token_timeout_is_a_504_naming_the_stage(strict: str, fleet: Fleet
     assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)
 
 
-def test_stall_after_tokens_ends_the_stream_with_a_timeout_event(strict: str, fleet: Fleet) -> None:
-    before = _timeouts(strict).get("stall", 0)
+def test_stall_after_tokens_ends_the_stream_with_a_timeout_event(
+    strict: str, strict_admin: str, fleet: Fleet
+) -> None:
+    before = _timeouts(strict_admin).get("stall", 0)
     aborts = pod_aborts(fleet)
     resp = _post(strict, {**LONG, "stream": True}, **{"x-podsim-fault": "stall_after=3"})
     events = _ends_with_timeout_event(resp, "stall")
     assert sum(b'"content":"' in e and b'"content":""' not in e for e in events) == 3
-    assert _timeouts(strict)["stall"] == before + 1
+    assert _timeouts(strict_admin)["stall"] == before + 1
     assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)  # the stalled generation was aborted
-    assert wait_for(lambda: gateway_in_flight(strict) == 0)
+    assert wait_for(lambda: gateway_in_flight(strict_admin) == 0)
 
 
 def test_client_may_shorten_the_total_deadline(strict: str) -> None:
@@ -165,10 +178,10 @@ def test_connect_timeout_is_a_504_naming_the_stage() -> None:
         with GatewayProcess(config) as gw:
             assert hole.probed.wait(10)  # discovery saw it serving llama-8b
             hole.stop_accepting()
-            before = _timeouts(gw.url).get("connect", 0)
+            before = _timeouts(gw.admin_url).get("connect", 0)
             _timeout_error(_post(gw.url, {**CHAT, "stream": True}), "connect")
-            assert _timeouts(gw.url).get("connect", 0) == before + 1
-            assert gateway_in_flight(gw.url) == 0
+            assert _timeouts(gw.admin_url).get("connect", 0) == before + 1
+            assert gateway_in_flight(gw.admin_url) == 0
     finally:
         hole.close()
 
@@ -194,7 +207,7 @@ def test_a_connect_timeout_is_retried_on_another_pod(fleet: Fleet) -> None:
             for _ in range(2):
                 resp = _post(gw.url, {**CHAT, "stream": True})
                 assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
-            outcomes = counter_totals(gw.url, "sluicegate_upstream_attempts", "outcome")
+            outcomes = counter_totals(gw.admin_url, "sluicegate_upstream_attempts", "outcome")
             assert outcomes.get("connect_timeout") == 1 and outcomes.get("ok") == 2
     finally:
         hole.close()

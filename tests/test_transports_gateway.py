@@ -35,8 +35,8 @@ def gateway(fleet: Fleet, certificate: tuple[Path, Path]) -> Iterator[tuple[Gate
         yield gw, f"https://localhost:{port}"
 
 
-def requests_by_transport(url: str) -> Counter[str]:
-    return Counter(counter_totals(url, "sluicegate_requests", "transport", route="chat"))
+def requests_by_transport(admin_url: str) -> Counter[str]:
+    return Counter(counter_totals(admin_url, "sluicegate_requests", "transport", route="chat"))
 
 
 async def answer(client: SluicegateClient, **params: Any) -> Any:
@@ -50,7 +50,7 @@ async def test_every_transport_carries_the_same_answer_and_is_counted_as_itself(
     gateway: tuple[GatewayProcess, str], certificate: tuple[Path, Path]
 ) -> None:
     gw, https = gateway
-    before = requests_by_transport(gw.url)
+    before = requests_by_transport(gw.admin_url)
     cert = str(certificate[0])
     seen = {}
     async with SluicegateClient(https, verify=cert) as client:
@@ -68,7 +68,7 @@ async def test_every_transport_carries_the_same_answer_and_is_counted_as_itself(
             seen[transport] = stream.text
     assert list(seen) == ["h2", "h3", "h1", "grpc-web"]
     assert len(set(seen.values())) == 1  # the pod simulator answers the same prompt the same way
-    counted = requests_by_transport(gw.url) - before
+    counted = requests_by_transport(gw.admin_url) - before
     assert counted == {"h2": 2, "h3": 1, "h1": 1, "grpc-web": 1}
 
 

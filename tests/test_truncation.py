@@ -95,8 +95,8 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def gauge(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+def gauge(admin_url: str, name: str) -> float:
+    for line in httpx.get(admin_url + "/metrics").text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"no {name}")
@@ -165,7 +165,7 @@ async def test_every_short_stream_is_an_error_on_every_transport(env: Env, knob:
         expect_error(seen, outcome)
     # the pod's connection is closed, not parked for reuse; and the pod saw it go where it was still sending
     assert await asyncio.to_thread(
-        wait_for, lambda: gauge(env.gw.url, "sluicegate_upstream_connections") == 0
+        wait_for, lambda: gauge(env.gw.admin_url, "sluicegate_upstream_connections") == 0
     )
     if knob in OPEN_ENDED:
         aborted = lambda: any(  # noqa: E731
@@ -206,7 +206,7 @@ def test_the_openai_sdk_raises_instead_of_returning_a_short_answer(
 
 def test_truncation_is_counted(env: Env) -> None:
     def kinds() -> dict[str, float]:
-        return counter_totals(env.gw.url, "sluicegate_upstream_errors", "kind", pod="pod-a")
+        return counter_totals(env.gw.admin_url, "sluicegate_upstream_errors", "kind", pod="pod-a")
 
     before = kinds()
     for knob in ("end_after=2", "endless_line_after=2"):
@@ -256,7 +256,7 @@ def test_a_short_stream_is_resumed_on_another_pod_where_resume_is_on() -> None:
                 body = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}).content
                 assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
                 assert _text(body) == _text(expected)
-            resumed = counter_totals(gw.url, "sluicegate_stream_resumes", "outcome")
+            resumed = counter_totals(gw.admin_url, "sluicegate_stream_resumes", "outcome")
     assert resumed.get("ok", 0) >= 1
 
 
