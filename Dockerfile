@@ -13,6 +13,8 @@ COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 COPY config /etc/sluicegate
 USER 10001
-EXPOSE 8080
+# 8080: the public port (server.port). 9090: the admin listener (admin.port: /admin/*, /metrics), which
+# binds 127.0.0.1 unless the config sets admin.host: 0.0.0.0 (as config/kubernetes/ does, for Prometheus).
+EXPOSE 8080 9090
 ENTRYPOINT ["sluicegate", "serve"]
 CMD ["--config", "/etc/sluicegate/example.yaml", "--host", "0.0.0.0"]

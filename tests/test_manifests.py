@@ -209,8 +209,13 @@ def gateway_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 
 def get_routes(config: Config) -> set[str]:
-    """The paths the gateway answers GET on (its control-plane routes)."""
+    """The paths the gateway answers GET on (its public control-plane routes)."""
     return {r.path for r in Gateway(config).control.routes if "GET" in (r.methods or ())}
+
+
+def admin_get_routes(config: Config) -> set[str]:
+    """The paths the admin listener answers GET on (``/metrics``, ``/admin/...``)."""
+    return {r.path for r in Gateway(config).admin.app.routes if "GET" in (r.methods or ())}
 
 
 # --- the files themselves -----------------------------------------------------------------------
@@ -276,8 +281,25 @@ def test_probes_and_scrape_annotations_use_real_gateway_routes(gateway_config: C
             assert probe.httpGet.path in get_paths
             assert port_number(spec, probe.httpGet.port) == gateway_config.server.port
     annotations = deployment.spec.template.metadata.annotations
-    assert annotations["prometheus.io/path"] in get_paths
-    assert int(annotations["prometheus.io/port"]) == gateway_config.server.port
+    assert annotations["prometheus.io/path"] not in get_paths  # /metrics is not on the public port
+    assert annotations["prometheus.io/path"] in admin_get_routes(gateway_config)
+    assert int(annotations["prometheus.io/port"]) == gateway_config.admin.port
+
+
+def test_the_admin_listener_is_a_named_pod_port_that_no_service_exposes(gateway_config: Config) -> None:
+    """Prometheus (another pod) must reach the admin listener, so it binds the pod IP; clients must
+    not, so it is in no Service: not by name, not by number."""
+    admin = gateway_config.admin
+    assert admin.enabled and admin.host in ("0.0.0.0", "::"), "a loopback admin listener cannot be scraped"
+    assert admin.port != gateway_config.server.port
+    spec = shipped().gateway().spec.template.spec
+    assert port_number(spec, "admin") == admin.port
+    labels = shipped().gateway().spec.template.metadata.labels
+    for manifests in (shipped(), tls_enabled()):
+        for service in manifests.of_kind(Service):
+            if selects(service.spec.selector, labels):
+                targets = {p.targetPort or p.port for p in service.spec.ports}
+                assert not targets & {"admin", admin.port}, f"{service.metadata.name} exposes the admin port"
 
 
 def prestop_sleep_s(container: Container) -> float:
