@@ -23,9 +23,10 @@ import httptools
 
 from transports.hangups import shut_down_fd
 from transports.sse import EVENT_ENDS
+from transports.tls import tls_reason
 
 Writer = Callable[[bytes], None]
-Key = tuple[str, int, bool]  # host, port, TLS
+Key = tuple[str, int, ssl.SSLContext | None, str | None]  # host, port, TLS context, name checked
 
 
 class PodConnectError(ConnectionError):
@@ -239,6 +240,12 @@ class PodConnection(asyncio.Protocol):
             self.response = None
             response._finish()
             return
+        if self.key[2] is not None and self.used == 1 and not self.got_bytes:
+            # A pod that wants a client certificate (or refuses ours) checks it after TLS 1.3's
+            # handshake has completed on our side: all we see is the connection closing unanswered.
+            why = _tls_why(exc)
+            self._fail(PodBrokenError(f"the pod closed the TLS connection without answering ({why})"))
+            return
         self._fail(PodBrokenError(f"connection closed by the pod ({exc or 'EOF'})"))
 
     # -- httptools callbacks ---------------------------------------------------------------------
@@ -336,12 +343,17 @@ class PodClient:
         path: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
-        tls: bool = False,
+        tls: ssl.SSLContext | None = None,
         connect_timeout_s: float | None = None,
+        server_hostname: str | None = None,
     ) -> PodResponse:
-        """Send a POST and wait for the response's status and headers."""
+        """Send a POST and wait for the response's status and headers.
+
+        ``tls``: the context for an https:// pod (None: plain TCP); the certificate must name
+        ``server_hostname`` (default: ``host``). Connections are pooled per host, port and both.
+        """
         head = _request_head(host, port, path, headers, len(body))
-        key = (host, port, tls)
+        key = (host, port, tls, (server_hostname or host) if tls else None)
         conn = self._take_idle(key)
         if conn is not None:
             try:
@@ -368,12 +380,12 @@ class PodClient:
         try:
             async with asyncio.timeout(timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: PodConnection(self, key), key[0], key[1], ssl=key[2] or None
+                    lambda: PodConnection(self, key), key[0], key[1], ssl=key[2], server_hostname=key[3]
                 )
         except TimeoutError:
             raise PodConnectTimeout(f"connect to {key[0]}:{key[1]} timed out after {timeout_s:g} s") from None
         except ssl.SSLError as exc:
-            raise PodConnectError(f"TLS handshake failed: {exc.reason or exc}") from None
+            raise PodConnectError(f"TLS handshake failed: {tls_reason(exc)}") from None
         except OSError as exc:
             raise PodConnectError(exc.strerror or str(exc)) from None
         self._open.add(conn)
@@ -423,6 +435,12 @@ def shut_down_now(transport: asyncio.BaseTransport) -> None:
     fd = sock.fileno() if sock is not None else -1
     if fd >= 0:
         shut_down_fd(fd)
+
+
+def _tls_why(exc: Exception | None) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return tls_reason(exc)
+    return "did it want a client certificate, or refuse ours? see upstream.tls.client_cert"
 
 
 def _until_close(headers: dict[str, str]) -> bool:

@@ -1,4 +1,5 @@
-"""TLS for the gateway's listeners: the server context (ALPN h2, http/1.1) and a self-signed pair.
+"""TLS for the gateway's listeners (the server context, ALPN h2 and http/1.1; a self-signed pair)
+and for its connections to pods (the client context, with an optional client certificate).
 
 One certificate and key serve both TLS listeners: TCP (HTTP/1.1 and HTTP/2, chosen by ALPN) and
 QUIC (HTTP/3, whose TLS 1.3 handshake aioquic does itself from the same PEM files).
@@ -37,6 +38,13 @@ def server_context(cert: str | Path, key: str | Path, alpn: list[str] | None = N
         ) from None
     context.set_alpn_protocols(ALPN_TCP if alpn is None else alpn)
     return context
+
+
+def tls_reason(exc: ssl.SSLError) -> str:
+    """A TLS failure in a few words: OpenSSL's reason and, for a certificate, the verifier's why."""
+    why = getattr(exc, "verify_message", None)
+    reason = exc.reason or str(exc)
+    return f"{reason} ({why})" if why else reason
 
 
 def _readable(path: str | Path, what: str) -> None:
@@ -113,3 +121,43 @@ def self_signed(
     )
     key_path.chmod(0o600)
     return cert_path, key_path
+
+
+def client_context(
+    ca_bundle: str | Path | None = None,
+    client_cert: str | Path | None = None,
+    client_key: str | Path | None = None,
+    alpn: list[str] | None = None,
+) -> ssl.SSLContext:
+    """A client ``SSLContext`` that verifies servers against ``ca_bundle`` (PEM; else the system's
+    trust store) and, for mutual TLS, presents ``client_cert`` with ``client_key``.
+
+    Built once and shared by every connection: each new context would load the trust store again.
+    Hostnames are checked (the caller passes the name as ``server_hostname``). TLS 1.2 at least.
+    Raises ``TlsFilesError`` naming the file that could not be used.
+    """
+    if (client_cert is None) != (client_key is None):
+        raise TlsFilesError("a client certificate needs its key, and a key its certificate")
+    if ca_bundle is not None:
+        _readable(ca_bundle, "CA bundle")
+    try:
+        context = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cafile=None if ca_bundle is None else str(ca_bundle)
+        )
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsFilesError(f"cannot use CA bundle {str(ca_bundle)!r}: {exc.strerror or exc}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_COMPRESSION | getattr(ssl, "OP_NO_RENEGOTIATION", 0)
+    if client_cert is not None and client_key is not None:
+        _readable(client_cert, "client certificate")
+        _readable(client_key, "client key")
+        try:
+            context.load_cert_chain(str(client_cert), str(client_key))
+        except (ssl.SSLError, OSError) as exc:
+            raise TlsFilesError(
+                f"cannot use client certificate {str(client_cert)!r} with key {str(client_key)!r}: "
+                f"{exc.strerror or exc}"
+            ) from None
+    if alpn:
+        context.set_alpn_protocols(alpn)
+    return context
