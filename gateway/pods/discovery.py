@@ -7,6 +7,7 @@ Unreachable pods are asked again sooner (``retry_interval_s``) than healthy ones
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -30,20 +31,31 @@ async def probe(pod: Pod, timeout_s: float) -> frozenset[str]:
     """The model ids the pod lists at ``/v1/models``; raises on any failure.
 
     Timed on a thread (``prober``), as the health probes are, so a busy event loop is not taken
-    for a slow pod."""
+    for a slow pod. Sends the pod's API key: vLLM's ``--api-key`` guards ``/v1/models`` too."""
     loop = asyncio.get_running_loop()
-    result = await loop.run_in_executor(
-        None, probe_get, pod.host, pod.port, pod.tls, "/v1/models", timeout_s, MAX_MODELS_BODY
+    call = functools.partial(
+        probe_get, pod.host, pod.port, pod.tls, "/v1/models", timeout_s, MAX_MODELS_BODY,
+        server_name=pod.server_name, authorization=pod.auth_header,
     )
+    result = await loop.run_in_executor(None, call)
     if not result.hard:
         raise ProbeTimeout(f"/v1/models {result.detail}")
     if not result.ok:
-        raise RuntimeError(f"/v1/models: {result.detail}")
+        raise RuntimeError(f"/v1/models: {result.detail}{_refused_key(pod, result.detail)}")
     payload = json.loads(result.body)
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list):
         raise RuntimeError("/v1/models did not return an OpenAI model list")
     return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+
+
+def _refused_key(pod: Pod, detail: str) -> str:
+    """What a 401 or 403 means for the operator: the pod wants a key, or another one."""
+    if detail not in ("HTTP 401", "HTTP 403"):
+        return ""
+    if pod.auth_header is None:
+        return " (the pod wants an API key: set credentials for it, or upstream.credentials)"
+    return " (the pod refused the gateway's API key: check its credentials)"
 
 
 async def refresh_pod(pod: Pod, config: DiscoveryConfig, metrics: GatewayMetrics) -> bool:

@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import Callable, Mapping, Sequence
 
+from gateway.config import PodCredentials
 from gateway.pods.kubernetes import KubePod
 from gateway.side_server import url_of
 
@@ -33,8 +34,10 @@ class DnsDiscovery:
         models: Sequence[str] = (),
         labels: Mapping[str, str] | None = None,
         interval_s: float = 5.0,
+        credentials: PodCredentials | None = None,
     ) -> None:
         self.host = host
+        self.credentials = credentials  # carried into every pod's config
         self.port = port
         self.models = tuple(models)
         self.labels = dict(labels or {})
@@ -59,6 +62,7 @@ class DnsDiscovery:
                 url=url_of(address, self.port),
                 models=self.models,
                 labels=dict(self.labels),
+                credentials=self.credentials,
             )
             for address in addresses
         ]

@@ -35,7 +35,7 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.resources.discovery_v1 import EndpointSlice
 from pydantic import ValidationError
 
-from gateway.config import MigIdentity, PodConfig
+from gateway.config import MigIdentity, PodConfig, PodCredentials
 from gateway.health.k8s_device import MIG_RESOURCE_PREFIX
 from gateway.health.verdict import DeviceKey, DeviceVerdict
 from gateway.side_server import url_of
@@ -65,6 +65,7 @@ class KubePod:
     gpu_uuid: str | None = None  # GPU-... (the parent GPU)
     gpu_instance_id: int | None = None
     device_health: tuple[DeviceVerdict, ...] = ()  # the kubelet's per-device health (KEP-4680)
+    credentials: PodCredentials | None = None  # the discovery source's, for vLLM's --api-key
 
     def to_pod_config(self) -> PodConfig:
         """The registry's view. ``mig`` needs the parent GPU's UUID or the slice's own MIG UUID (the
@@ -80,7 +81,14 @@ class KubePod:
                 )
             except ValidationError as exc:
                 log.warning("pod %s: MIG identity left out: %s", self.name, exc.errors()[0]["msg"])
-        return PodConfig(name=self.name, url=self.url, models=self.models, mig=mig, labels=dict(self.labels))
+        return PodConfig(
+            name=self.name,
+            url=self.url,
+            models=self.models,
+            mig=mig,
+            labels=dict(self.labels),
+            credentials=self.credentials,
+        )
 
 
 def describe_pod(pod: Pod, url: str, ready: bool, model_label: str = "model") -> KubePod:
@@ -271,8 +279,10 @@ class KubernetesDiscovery:
         watch_timeout_s: float = 300.0,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        credentials: PodCredentials | None = None,
     ) -> None:
         self.namespace = namespace
+        self.credentials = credentials  # carried into every pod's config
         self.service = service
         self.port_name = port_name
         self.model_label = model_label
@@ -318,6 +328,8 @@ class KubernetesDiscovery:
                 seen = describe_pod(pod, url_of(endpoint.addresses[0], port), ready, self.model_label)
                 if seen.node is None and endpoint.nodeName:
                     seen = replace(seen, node=endpoint.nodeName)
+                if self.credentials is not None:
+                    seen = replace(seen, credentials=self.credentials)
                 earlier = found.get(seen.name)
                 if earlier is None or (seen.ready and not earlier.ready):
                     found[seen.name] = seen

@@ -170,12 +170,10 @@ class PodMonitor:
         """
         loop = asyncio.get_running_loop()
         timeout_s = self.config.probe.timeout_s
-        if self._probe_threads is None:  # not running (a test calling probe directly)
-            result = await loop.run_in_executor(None, probe_health, pod.host, pod.port, pod.tls, timeout_s)
-        else:
-            result = await loop.run_in_executor(
-                self._probe_threads, probe_health, pod.host, pod.port, pod.tls, timeout_s
-            )
+        # self._probe_threads is None when not running (a test calling probe directly): the default pool
+        result = await loop.run_in_executor(
+            self._probe_threads, probe_health, pod.host, pod.port, pod.tls, timeout_s, pod.server_name
+        )
         self.record_probe(pod, result, time.monotonic())
 
     def record_probe(self, pod: Pod, result: ProbeResult, now: float) -> None:
@@ -205,7 +203,10 @@ class PodMonitor:
     async def scrape(self, pod: Pod) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.scrape.timeout_s)
         try:
-            async with self.session().get(pod.url + "/metrics", timeout=timeout) as resp:
+            # no credentials (vLLM's --api-key leaves /metrics open); https:// pods get the shared context
+            async with self.session().get(
+                pod.url + "/metrics", timeout=timeout, ssl=pod.tls or True, server_hostname=pod.server_name
+            ) as resp:
                 if resp.status != 200:
                     return
                 text = await resp.text()

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import random
+import ssl
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import HealthConfig, PodConfig
 from gateway.metrics import GatewayMetrics
+from gateway.pods.credentials import ApiKey, PodAccess
 from gateway.pods.state import (
     BREAKER_STATES,
     CLOSED,
@@ -45,10 +47,14 @@ _MODE_LOG = {  # (mode, entering) -> (log level, what the operator reads)
     ("panic", False): (logging.WARNING, "enough pods pass their probes again: panic routing over"),
 }
 
+_NO_ACCESS = PodAccess()  # no keys; the system trust store for https:// pods (built when first needed)
+
+
 class Pod:
     """One pod: what it is (from config) and how it is doing now (mutated on the event loop)."""
 
     __slots__ = (
+        "_key",
         "config",
         "health",
         "host",
@@ -64,20 +70,28 @@ class Pod:
         "pressure",
         "reachable",
         "served_at",
+        "server_name",
         "tls",
         "url",
         "waiting_high",
     )
 
-    def __init__(self, config: PodConfig, health: HealthConfig | None = None) -> None:
+    def __init__(
+        self, config: PodConfig, health: HealthConfig | None = None, access: PodAccess | None = None
+    ) -> None:
         health = health or HealthConfig()
+        access = access or _NO_ACCESS
         self.config = config
         self.name = config.name
         self.url = config.url
         parts = urlsplit(config.url)
         self.host = parts.hostname or "127.0.0.1"
-        self.tls = parts.scheme == "https"
-        self.port = parts.port or (443 if self.tls else 80)
+        https = parts.scheme == "https"
+        # https:// pods: the one shared client context, and the name their certificate must carry
+        self.tls: ssl.SSLContext | None = access.context if https else None
+        self.server_name: str | None = (access.server_name or self.host) if https else None
+        self.port = parts.port or (443 if https else 80)
+        self._key: ApiKey | None = access.key_for(config.credentials)
         self.models: frozenset[str] = frozenset(config.models)
         # Pods with configured models are routable until a probe says otherwise; pods whose
         # models must be discovered are not, until discovery has asked them.
@@ -92,6 +106,13 @@ class Pod:
         self.waiting_high = health.pressure.waiting_high
         self.served_at = -1e9  # when live traffic last got a first token or a 2xx from it (monotonic)
         self.passive_window_s = health.probe.passive_window_s
+
+    @property
+    def auth_header(self) -> bytes | None:
+        """The ``authorization`` value this pod wants (``Bearer KEY``), or None: its own key, else
+        ``upstream.credentials``. Read per request: a rotated key file is picked up."""
+        key = self._key
+        return None if key is None else key.header
 
     @property
     def routable(self) -> bool:
@@ -171,10 +192,12 @@ class PodRegistry:
         pods: Iterable[PodConfig],
         health: HealthConfig | None = None,
         metrics: GatewayMetrics | None = None,
+        access: PodAccess | None = None,
     ) -> None:
         self.health_config = health or HealthConfig()
         self.metrics = metrics
-        self.pods: tuple[Pod, ...] = tuple(Pod(p, self.health_config) for p in pods)
+        self.access = access or _NO_ACCESS  # keys and TLS for the pods (PodAccess.from_config at start)
+        self.pods: tuple[Pod, ...] = tuple(Pod(p, self.health_config, self.access) for p in pods)
         self._by_model: dict[str, tuple[Pod, ...]] = {}
         self._tiebreak = itertools.count()
         self.failing_open: set[str] = set()  # models routed without pressure data (all stale)
@@ -198,11 +221,12 @@ class PodRegistry:
         for config in configs:
             pod = by_name.get(config.name)
             if pod is None or pod.config.url != config.url:
-                pod = Pod(config, self.health_config)
+                pod = Pod(config, self.health_config, self.access)
                 log.info("pod %s added at %s", pod.name, pod.url)
                 self._publish(pod)
             else:
                 pod.config = config
+                pod._key = self.access.key_for(config.credentials)
                 if config.models:
                     pod.models = frozenset(config.models)
             pods.append(pod)
