@@ -17,11 +17,21 @@ async def pod_error(pod_name: str, resp: PodResponse, max_body_bytes: int) -> Ga
     """Turn a pod's non-200 answer into the client's: OpenAI error bodies pass through as is.
 
     At most ``max_body_bytes`` of the body are read: a pod's error cannot grow the gateway's memory.
+    A pod's 401 or 403 refused the *gateway's* credentials (vLLM's ``--api-key``), not the
+    client's: it becomes a 502 that says so, never an auth failure the client would blame itself for.
     """
     try:
         raw = await resp.read_all(max_body_bytes)
     except PodBrokenError:
         raw = b""
+    if resp.status in (401, 403):
+        return GatewayError(
+            502,
+            f"Upstream pod '{pod_name}' refused the gateway's credentials (HTTP {resp.status}); "
+            "its API key is missing or wrong in the gateway's config.",
+            "upstream_error",
+            "upstream_auth_failed",
+        )
     retry_after = resp.headers.get("retry-after")
     extra = (("retry-after", retry_after),) if retry_after else ()
     try:
