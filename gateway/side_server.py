@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import ssl
 from collections.abc import Callable
 
 from aiohttp import web
@@ -32,8 +33,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def url_of(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def serve_app(
@@ -44,6 +45,7 @@ async def serve_app(
     announce: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     backlog: int = 128,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Serve ``runner``'s app until ``stop`` is set; without ``stop``, until SIGTERM/SIGINT.
 
@@ -52,7 +54,7 @@ async def serve_app(
     await runner.setup()
     try:
         sock = bind(host, port)
-        await web.SockSite(runner, sock, backlog=backlog).start()
+        await web.SockSite(runner, sock, backlog=backlog, ssl_context=ssl_context).start()
         if stop is None:  # the process is ours: stop on SIGTERM/SIGINT
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -60,7 +62,7 @@ async def serve_app(
                 with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                     loop.add_signal_handler(signum, stop.set)
         if announce is not None:
-            announce(url_of(host, sock.getsockname()[1]))
+            announce(url_of(host, sock.getsockname()[1], "https" if ssl_context else "http"))
         await stop.wait()
     finally:
         await runner.cleanup()

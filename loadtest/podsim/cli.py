@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import ssl
 import sys
 from collections.abc import Callable
 
@@ -17,6 +19,7 @@ from gateway.rlimits import raise_open_file_limit
 from loadtest.podsim.engine import BLOCK_SIZE, EngineConfig, kv_blocks_for, parse_mig_profile
 from loadtest.podsim.faults import NO_FAULTS, Faults, parse_faults
 from loadtest.podsim.server import READY_PREFIX, PodsimConfig, serve
+from transports.tls import TlsFilesError, server_context
 
 
 def _number(kind: type, minimum: float, what: str) -> Callable[[str], float]:
@@ -87,6 +90,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answers end (finish_reason stop) after this many tokens; 0 = never, only length (default 0)",
     )
     net.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    net.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="as vLLM's: /v1/* needs 'Authorization: Bearer KEY'; repeatable (default: $VLLM_API_KEY)",
+    )
+    net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM key (as vLLM's flag)")
+    net.add_argument("--ssl-certfile", default=None, help="and this PEM certificate chain")
+    net.add_argument("--ssl-ca-certs", default=None, help="PEM CAs that client certificates must chain to")
+    net.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*; default 0)",
+    )
 
     mig = parser.add_argument_group("MIG identity (GET /podsim/identity)")
     mig.add_argument("--gpu-uuid", default="", help="parent GPU UUID, e.g. GPU-5e0f8a2c-...")
@@ -154,7 +174,26 @@ def config_from_args(args: argparse.Namespace) -> PodsimConfig:
         mig_uuid=args.mig_uuid,
         mig_profile=args.mig_profile or "",
         faults=faults,
+        api_keys=tuple(args.api_keys or filter(None, [os.environ.get("VLLM_API_KEY")])),
     )
+
+
+def ssl_context_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The server context vLLM's ``--ssl-*`` flags describe (uvicorn's meaning), or None for HTTP."""
+    if args.ssl_certfile is None and args.ssl_keyfile is None:
+        return None
+    if args.ssl_certfile is None or args.ssl_keyfile is None:
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    try:
+        context = server_context(args.ssl_certfile, args.ssl_keyfile, alpn=["http/1.1"])
+        context.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
+        if args.ssl_ca_certs:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except TlsFilesError as exc:
+        raise ValueError(str(exc)) from None
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"cannot use --ssl-ca-certs {args.ssl_ca_certs!r}: {exc.strerror or exc}") from None
+    return context
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -170,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="podsim %(levelname)s %(message)s")
     try:
         config = config_from_args(args)
+        context = ssl_context_from_args(args)
     except ValueError as exc:
         print(f"podsim: {exc}", file=sys.stderr)
         return 2
@@ -180,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve(config, args.host, args.port, announce=announce))
+            runner.run(serve(config, args.host, args.port, announce=announce, ssl_context=context))
     except ValueError as exc:  # configuration the engine refuses (e.g. max-model-len over the cache)
         print(f"podsim: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import struct
 import time
 import uuid
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.side_server import serve_app
 from loadtest.podsim import tokens, wire
+from loadtest.podsim.auth import api_key_middleware
 from loadtest.podsim.engine import Engine, EngineConfig, ModelStats, Sequence
 from loadtest.podsim.faults import NO_FAULTS, Faults, faults_from_json, parse_faults
 from loadtest.podsim.metrics import PodsimCollector, build_registry
@@ -64,6 +66,7 @@ class PodsimConfig:
     mig_uuid: str = ""
     mig_profile: str = ""
     faults: Faults = NO_FAULTS
+    api_keys: tuple[str, ...] = ()  # vLLM's --api-key: /v1/* needs one of them (loadtest.podsim.auth)
 
 
 class ApiError(Exception):
@@ -559,7 +562,8 @@ class Podsim:
 
     def app(self) -> web.Application:
         """The aiohttp application with vLLM's routes and the simulator's admin routes."""
-        app = web.Application(middlewares=[_fastapi_style_errors], client_max_size=64 * 1024 * 1024)
+        guard = [api_key_middleware(self.config.api_keys)] if self.config.api_keys else []
+        app = web.Application(middlewares=[*guard, _fastapi_style_errors], client_max_size=64 * 1024 * 1024)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/v1/completions", self.completions)
@@ -1188,11 +1192,15 @@ async def serve(
     *,
     announce: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT); ``announce`` gets the URL once bound."""
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT); ``announce`` gets the URL once bound.
+    With ``ssl_context``, over TLS (vLLM's ``--ssl-*`` flags)."""
     sim = Podsim(config)
     runner = web.AppRunner(sim.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     try:
-        await serve_app(runner, host, port, announce=announce, stop=stop, backlog=4096)
+        await serve_app(
+            runner, host, port, announce=announce, stop=stop, backlog=4096, ssl_context=ssl_context
+        )
     finally:
         sim.engine.shutdown()
