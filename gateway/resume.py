@@ -89,13 +89,54 @@ def continuation_body(route: str, payload: dict[str, Any], done: Transcript) -> 
     return encode_body(body)
 
 
+# What the original request's prompt is tokenized with on vLLM's ``/tokenize`` (TokenizeChatRequest):
+# the same template and options give the same count the first pod reported to itself.
+_TEMPLATE_KEYS = (
+    "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+    "chat_template_kwargs", "documents", "tools", "mm_processor_kwargs",
+)
+
+
+def tokenize_body(route: str, payload: dict[str, Any]) -> bytes:
+    """The ``/tokenize`` request that counts the original request's prompt tokens.
+
+    A continuation's own ``prompt_tokens`` include the text already generated and the chat
+    template's tokens around it, so they cannot give the client's prompt back exactly.
+    """
+    if route == "chat":
+        body = {"model": payload.get("model"), "messages": payload.get("messages")}
+        body.update((key, payload[key]) for key in _TEMPLATE_KEYS if key in payload)
+    else:
+        body = {"model": payload.get("model"), "prompt": payload.get("prompt")}
+        if "add_special_tokens" in payload:
+            body["add_special_tokens"] = payload["add_special_tokens"]
+    return encode_body(body)
+
+
+def token_count(answer: bytes) -> int | None:
+    """The ``count`` of a ``/tokenize`` answer, or None when it has none."""
+    try:
+        count = json.loads(answer).get("count")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return count if type(count) is int and 0 <= count < 1 << 53 else None
+
+
 @dataclass
 class Splicer:
-    """Rewrites a continuation's events so they read as the original stream's."""
+    """Rewrites a continuation's events so they read as the original stream's.
+
+    Its usage event becomes the client's (what it asked and got); what the pods really did is kept
+    in ``pods`` for quotas and metrics (see docs/resilience.md, "Usage after a resume").
+    """
 
     created: int | None
     new_created: int | None = None
     tokens_before: int = 0
+    prompt_tokens: int | None = None  # the original prompt, counted by /tokenize; None if that failed
+    earlier: tuple[int, ...] = ()  # tokens_before of each earlier continuation (they broke too)
+    pods: tuple[int, int] | None = None  # (prompt, completion) tokens over every pod of the stream
+    client: tuple[int, int] | None = None  # (prompt, completion) tokens the client's usage reports
     _skip_role: bool = True
 
     def head(self, data: bytes) -> bytes:
@@ -127,7 +168,14 @@ class Splicer:
         return data
 
     def _fix_usage(self, data: bytes) -> bytes:
-        """Usage over the whole answer: the text before the break was prompt to this pod."""
+        """The client's usage: its own prompt, and every token it received from every pod.
+
+        The continuation's prompt was the client's prompt plus the text so far plus template tokens;
+        the original prompt's count comes from ``/tokenize`` (``prompt_tokens``). Without it, the
+        continuation's prompt less the tokens before the break is the best left (a few template
+        tokens too many). The pods' own work, for quotas: the first pod read the prompt and produced
+        the tokens relayed before the first break, each continuation read its longer prompt.
+        """
         events = data.split(b"\n\n")
         for i, event in enumerate(events):
             if b'"usage"' not in event or not event.startswith(b"data: "):
@@ -135,11 +183,22 @@ class Splicer:
             try:
                 payload = json.loads(event[6:])
                 usage = payload["usage"]
-                usage["prompt_tokens"] = max(0, usage["prompt_tokens"] - self.tokens_before)
-                usage["completion_tokens"] += self.tokens_before
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                cont_prompt, cont_completion = usage["prompt_tokens"], usage["completion_tokens"]
+                if type(cont_prompt) is not int or type(cont_completion) is not int:
+                    continue
+                prompt = self.prompt_tokens
+                if prompt is None:
+                    prompt = max(0, cont_prompt - self.tokens_before)
+                completion = self.tokens_before + cont_completion
+                usage["prompt_tokens"] = prompt
+                usage["completion_tokens"] = completion
+                usage["total_tokens"] = prompt + completion
             except (ValueError, KeyError, TypeError, RecursionError):
                 continue
+            # each earlier (broken) continuation read the prompt this one did, less the tokens since
+            broken = sum(max(0, cont_prompt - (self.tokens_before - t)) for t in self.earlier)
+            self.client = (prompt, completion)
+            self.pods = (prompt + broken + cont_prompt, completion)
             events[i] = b"data: " + json.dumps(payload, separators=(",", ":")).encode()
         return b"\n\n".join(events)
 

@@ -5,7 +5,8 @@ Once the first token is out, the pod's bytes are spliced to the client's socket 
 connection's parser callback (see ``transports/pod_client.py``), untouched; under any other server
 or protocol each pod read is one ASGI ``send``. Nothing here runs per token except the splice sink
 (and, when the stream may be resumed or has several choices, the recorder and finish watch it
-wraps), so keep it that way: no per-chunk awaits, wrappers or allocations.
+wraps, and for a stream under a quota the usage tap, ``gateway/usage.py``), so keep it that way:
+no per-chunk awaits, wrappers or allocations.
 """
 
 from __future__ import annotations
@@ -22,8 +23,17 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import reason
 from gateway.pods.registry import Pod, PodRegistry
-from gateway.resume import Recorder, Splicer, Transcript, continuation_body, unsupported_reason
+from gateway.resume import (
+    Recorder,
+    Splicer,
+    Transcript,
+    continuation_body,
+    token_count,
+    tokenize_body,
+    unsupported_reason,
+)
 from gateway.retries import Retryable
+from gateway.usage import UsageTap, tokens_of, wants_usage
 from transports import sse
 from transports.client_socket import client_socket
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
@@ -97,7 +107,10 @@ class StreamRelay:
         ex.status = 200
         ex.ttft = time.perf_counter() - ex.started
         recorder = Recorder() if self.config.resume.enabled_for(req.model) else None
+        tap = UsageTap(ex) if UsageTap.metered(ex) else None
         first = recorder.filter(head) if recorder is not None else head
+        if tap is not None:
+            first = tap.head(first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
         choices = choices_of(req.payload)
         finish = FinishWatch() if choices > 1 else None
@@ -107,24 +120,47 @@ class StreamRelay:
         # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
         # continue on another pod when this stream may be resumed
         while True:
-            err, broke = await self._pump(ex, pod, resp, recorder, choices, finish)
+            err, broke = await self._pump(ex, pod, resp, recorder, choices, finish, tap)
             ex.chunks += resp.chunks
             if err is None or not broke or recorder is None:
                 break
-            resumed = await self._resume(ex, req, recorder, err)
+            resumed = await self._resume(ex, req, recorder, err, tap)
             if resumed is None:
                 break
             err = None
             pod, resp = resumed
+        if tap is not None:
+            tap.end(resp.previous + resp.last)
+            if tap.held:  # a partial event the pod never finished: as it sent it
+                await send({"type": "http.response.body", "body": tap.flush(), "more_body": True})
         if err is not None:
             event = err.sse_event()
             if recorder is None and not sse.ends_event(resp.last):
                 event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
             await send({"type": "http.response.body", "body": event, "more_body": True})
-        elif resp.complete:
-            ex.count_tokens(self.metrics, sse.find_usage(resp.previous + resp.last))
+        self._record_usage(ex, resp, recorder, tap)
         ex.watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _record_usage(
+        self, ex: Exchange, resp: PodResponse, recorder: Recorder | None, tap: UsageTap | None
+    ) -> None:
+        """``ex.usage``: what the pods did (over every pod of a resumed stream), counted in the metrics."""
+        splicer = recorder.splicer if recorder is not None else None
+        if splicer is not None:  # resumed: the client's usage was rewritten; the pods' is the sum
+            if splicer.pods is None:
+                return
+            ex.usage = splicer.pods
+            usage: dict[str, int] | None = {"prompt_tokens": ex.usage[0], "completion_tokens": ex.usage[1]}
+        elif tap is not None and tap.usage is not None:
+            usage = tap.usage
+        elif resp.complete:
+            usage = sse.find_usage(resp.previous + resp.last)
+        else:
+            return
+        if ex.usage is None:
+            ex.usage = tokens_of(usage)
+        ex.count_tokens(self.metrics, usage)
 
     async def _pump(
         self,
@@ -134,6 +170,7 @@ class StreamRelay:
         recorder: Recorder | None,
         choices: int = 1,
         finish: FinishWatch | None = None,
+        tap: UsageTap | None = None,
     ) -> tuple[GatewayError | None, bool]:
         """Relay one pod's answer to its end; returns (the error that ended it, whether it broke).
 
@@ -147,6 +184,8 @@ class StreamRelay:
                 socket = client_socket(send)
                 if socket is not None:
                     write = socket.writer(resp)
+                    if tap is not None:
+                        write = tap.wrap(write)
                     sink = write if recorder is None else _recording(recorder, write, resp)
                     resp.splice(sink if finish is None else finish.wrap(sink))
                     await resp.done
@@ -158,6 +197,8 @@ class StreamRelay:
                             chunk = recorder.filter(chunk)
                             if recorder.broken:
                                 resp.close(PodBrokenError("the pod reported an error mid-stream"))
+                        if tap is not None:
+                            chunk = tap.feed(chunk)
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
             why = incomplete(resp, choices, finish, ex.route)
             if why is None:
@@ -200,7 +241,7 @@ class StreamRelay:
             self.metrics.child(self.metrics.in_flight, held_pod.name).dec()
 
     async def _resume(
-        self, ex: Exchange, req: InferenceRequest, recorder: Recorder, err: GatewayError
+        self, ex: Exchange, req: InferenceRequest, recorder: Recorder, err: GatewayError, tap: UsageTap | None
     ) -> tuple[Pod, PodResponse] | None:
         """Continue the answer on another pod; None (and a counted outcome) when it cannot be."""
         why = unsupported_reason(req.route, req.payload)
@@ -220,6 +261,10 @@ class StreamRelay:
             body = continuation_body(req.route, req.payload, done)
             cont = InferenceRequest(req.route, req.model, True, body, req.payload)
             resp: PodResponse | None = None
+            previous = recorder.splicer
+            counting: asyncio.Task[int | None] | None = None
+            if previous is None and wants_usage(req.payload):  # the client's prompt, counted meanwhile
+                counting = asyncio.ensure_future(self._prompt_tokens(ex, req, pod))
             try:
                 async with asyncio.timeout_at(min(loop.time() + ex.budget.first_token_s, ex.deadline)):
                     resp = await self._connect(ex, cont, pod, ex.headers)
@@ -231,12 +276,22 @@ class StreamRelay:
             except (Retryable, GatewayError, TimeoutError):
                 if resp is not None:
                     resp.close()
+                if counting is not None:
+                    counting.cancel()
                 continue
             self._hold(ex, pod, resp)
             recorder.broken = False
             recorder.tail = b""
-            recorder.splicer = Splicer(created=done.created, tokens_before=done.tokens)
+            if previous is not None:
+                prompt, earlier = previous.prompt_tokens, (*previous.earlier, previous.tokens_before)
+            else:
+                prompt, earlier = await _result(counting, ex.budget.connect_s), ()
+            recorder.splicer = Splicer(
+                created=done.created, tokens_before=done.tokens, prompt_tokens=prompt, earlier=earlier
+            )
             out = recorder.filter(recorder.splicer.head(head))
+            if tap is not None:
+                out = tap.feed(out)
             await ex.send({"type": "http.response.body", "body": out, "more_body": True})
             self.metrics.stream_resumes.labels("ok").inc()
             ex.pod = pod
@@ -245,6 +300,34 @@ class StreamRelay:
         self.metrics.stream_resumes.labels("failed").inc()
         err.message += " No other pod could continue the stream."
         return None
+
+    async def _prompt_tokens(self, ex: Exchange, req: InferenceRequest, pod: Pod) -> int | None:
+        """The client's prompt in tokens, as ``pod`` (same model, same tokenizer) counts it: vLLM's
+        ``/tokenize`` with the original messages and template options; None when it cannot say."""
+        body = tokenize_body(req.route, req.payload)
+        ask = InferenceRequest("tokenize", req.model, False, body, req.payload)
+        resp: PodResponse | None = None
+        try:
+            resp = await self._connect(ex, ask, pod, ex.headers)
+            if resp.status != 200:
+                return None
+            return token_count(await resp.read_all())
+        except (Retryable, GatewayError, PodBrokenError, OSError):
+            return None
+        finally:
+            if resp is not None:
+                resp.release()
+
+
+async def _result(task: asyncio.Task[int | None] | None, seconds: float) -> int | None:
+    """The task's result within ``seconds`` (it has mostly finished by now), else None."""
+    if task is None:
+        return None
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        return None
+    return None if task.cancelled() or task.exception() is not None else task.result()
 
 
 def _recording(

@@ -16,6 +16,7 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import reason
 from gateway.pods.registry import Pod
+from gateway.usage import whole_answer_usage
 from transports.pod_client import PodBrokenError, PodResponse
 
 
@@ -39,10 +40,10 @@ async def relay_whole(
         metrics.upstream_errors.labels(pod.name, "truncated").inc()
         detail = f"sent an answer that is not a JSON object ({len(body)} bytes, {content_type.decode()})."
         raise upstream_truncated(pod.name, detail)
-    ex.count_tokens(metrics, answer.get("usage"))
+    ex.count_tokens(metrics, whole_answer_usage(ex, answer))
     if ex.degraded is not None:
-        try:
-            body = as_sse(body, ex.degraded)
+        try:  # usage the gateway asked for (a quota) stays out of a client's stream that did not ask
+            body = as_sse(body, ex.degraded and not ex.usage_injected)
         except ValueError as exc:
             raise upstream_failed(pod.name, f"sent an unreadable answer ({reason(exc)}).") from None
         content_type = b"text/event-stream"
