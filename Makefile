@@ -30,7 +30,10 @@ $(GRPCWEB_STAMP): $(GRPCWEB_CLIENT)/package.json $(GRPCWEB_CLIENT)/package-lock.
 			echo "test: npm ci failed; the gRPC-Web client tests will be skipped"; \
 	else echo "test: npm not found; the gRPC-Web client tests will be skipped"; fi
 
-test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets
+test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets; installs redis-server from Debian when it can
+	@command -v redis-server >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1; } || \
+		echo "test: redis-server could not be installed; the Redis quota tests will be skipped"
 	$(BIN)/python -m pytest -q
 
 fuzz: setup  ## the property tests of every parser a remote party feeds, with many more examples
