@@ -52,27 +52,22 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's ``X-Request-ID`` when it is sane, else a fresh one."""
-    for name, value in headers:
-        if name == b"x-request-id":
-            if 0 < len(value) <= 128 and value.isascii() and value.decode().isprintable():
-                return value.decode()
-            break
+def request_id(value: bytes | None) -> str:
+    """The client's ``X-Request-ID`` (``value``) when it is sane, else a fresh one."""
+    if value is not None and 0 < len(value) <= 128 and value.isascii() and value.decode().isprintable():
+        return value.decode()
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
-async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+async def read_body(receive: Receive, content_length: bytes | None, limit: int) -> bytes:
     """The whole request body, refusing early (413) once it is known to exceed ``limit``."""
-    for name, value in headers:
-        if name == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise bad_request("Content-Length is not a number.") from None
-            if declared > limit:
-                raise _too_large(limit)
-            break
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise bad_request("Content-Length is not a number.") from None
+        if declared > limit:
+            raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:

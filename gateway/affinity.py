@@ -13,24 +13,19 @@ from typing import Any
 from gateway.config import AffinityConfig
 
 
-def affinity_key(
-    config: AffinityConfig, payload: dict[str, Any], headers: list[tuple[bytes, bytes]]
-) -> str | None:
+def affinity_key(config: AffinityConfig, payload: dict[str, Any], header: bytes | None) -> str | None:
     """The request's key under ``config``, or None when it has none (then load balancing decides).
 
-    ``user``: the OpenAI ``user`` field. ``header:NAME``: that request header. ``prefix``: the first
-    ``prefix_chars`` characters of the prompt (chat: the messages' text in order, roles included).
+    ``user``: the OpenAI ``user`` field. ``header:NAME``: that request header (``header`` is its
+    value, read with the others by ``gateway.request_head``). ``prefix``: the first ``prefix_chars``
+    characters of the prompt (chat: the messages' text in order, roles included).
     """
     kind = config.key
     if kind == "user":
         user = payload.get("user")
         return user if isinstance(user, str) and user else None
     if kind.startswith("header:"):
-        wanted = kind.removeprefix("header:").encode()
-        for name, value in headers:
-            if name == wanted:
-                return value.decode("latin-1") or None
-        return None
+        return (header.decode("latin-1") or None) if header is not None else None
     return _prompt_prefix(payload, config.prefix_chars)
 
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from starlette.applications import Starlette
@@ -23,11 +24,14 @@ from starlette.routing import Route
 
 from gateway.admin import AdminKey, AdminPlane, KeyLookup, http_error
 from gateway.admit import ROUTES
+from gateway.auth import KeyStore, load_key_store
 from gateway.config import Config
 from gateway.errors import model_not_found
 from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
 from gateway.grpc_web import GrpcWebEndpoint
 from gateway.metrics import GatewayMetrics
+from gateway.phases.limit import build_quotas
+from gateway.pods.credentials import PodAccess
 from gateway.pods.discovery import discovery_loop, refresh_all
 from gateway.pods.dns import DnsDiscovery
 from gateway.pods.kubernetes import KubePod, KubernetesDiscovery
@@ -41,25 +45,42 @@ from transports.upstream import open_session
 log = logging.getLogger("sluicegate")
 
 
-def _no_keys(_key: str) -> AdminKey | None:
-    """Auth is on but no key store was handed over: no key opens the admin plane."""
-    return None
+class _Lookup:
+    """A bare lookup function as the relay's key store (tests hand one in)."""
+
+    def __init__(self, lookup: KeyLookup) -> None:
+        self._lookup = lookup
+
+    def lookup(self, key: str | bytes) -> AdminKey | None:
+        return self._lookup(key.decode("latin-1") if isinstance(key, bytes) else key)
 
 
 class Gateway:
     """The ASGI application uvicorn serves on the public port; ``admin`` is the admin listener's.
 
-    ``lookup`` finds a key's record (``KeyStore.lookup``) for the admin plane; with auth on and no
-    lookup, the admin routes refuse every key rather than open up."""
+    With auth on, the key store (``auth.keys_file``) is loaded here: a store that cannot be used is
+    a ``ConfigError`` before anything listens. ``lookup`` replaces it (tests): a key's record by
+    the key as sent."""
 
     def __init__(self, config: Config, lookup: KeyLookup | None = None) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.registry = PodRegistry(config.pods, config.health, self.metrics)
+        self.registry = PodRegistry(
+            config.pods, config.health, self.metrics, PodAccess.from_config(config)
+        )
         self.monitor = PodMonitor(self.registry, self.session, config.health)
         self._session: aiohttp.ClientSession | None = None
         self._pod_client: PodClient | None = None
-        self.relay = Relay(config, self.registry, self.metrics, self.pod_client)
+        keys: Any = None
+        if config.auth.enabled:
+            keys = load_key_store(config) if lookup is None else _Lookup(lookup)
+            lookup = keys.lookup
+        self.keys = keys
+        self.relay = Relay(
+            config, self.registry, self.metrics, self.pod_client, keys, build_quotas(config, self.metrics)
+        )
+        if isinstance(keys, KeyStore):
+            self.metrics.watch_key_store(keys)
         self.grpc_web = GrpcWebEndpoint(self.relay)  # any origin may call it (CORS); see docs/grpc-web.md
         self.metrics.watch_runtime(
             lambda: len(asyncio.all_tasks()),
@@ -76,12 +97,7 @@ class Gateway:
             exception_handlers={HTTPException: http_error},
             lifespan=self._lifespan,
         )
-        self.admin = AdminPlane(
-            self.registry,
-            self.monitor,
-            self.metrics,
-            (lookup or _no_keys) if config.auth.enabled else None,
-        )
+        self.admin = AdminPlane(self.registry, self.monitor, self.metrics, lookup)
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -112,6 +128,7 @@ class Gateway:
             self.config.timeouts.connect_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod
         )
         self.relay.hangups = HangupWatcher()
+        await self.relay.start()  # key store reloads, quota leases
         discovery = self.config.discovery
         # One round before serving, so the first requests already know every pod's models.
         await refresh_all(self.registry, discovery, self.metrics)
@@ -130,11 +147,14 @@ class Gateway:
                 model_label=k8s.model_label,
                 api_url=k8s.api_url,
                 kubeconfig=k8s.kubeconfig,
+                credentials=k8s.credentials,
             )
             loops.append(asyncio.create_task(watcher.run(self.discovered), name="kubernetes"))
         if discovery.dns is not None:
             dns = discovery.dns
-            resolver = DnsDiscovery(dns.host, dns.port, models=dns.models, interval_s=dns.interval_s)
+            resolver = DnsDiscovery(
+                dns.host, dns.port, models=dns.models, interval_s=dns.interval_s, credentials=dns.credentials
+            )
             loops.append(asyncio.create_task(resolver.run(self.discovered), name="dns"))
         try:
             yield
@@ -146,6 +166,7 @@ class Gateway:
                     await task
             await self._session.close()
             await self._pod_client.close()
+            await self.relay.close()
             self.relay.hangups.close()
             self.relay.hangups = None
             self._session = None

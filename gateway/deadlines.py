@@ -1,8 +1,9 @@
 """Staged timeouts: which budget applies to a request, and the errors that name the stage.
 
 Four stages (connect, first token, stall, total), each with a default that a model's settings and
-then the caller's tier may override; a client may ask for a shorter total deadline with
-``X-Request-Timeout-Ms``, never a longer one than its tier allows.
+then the caller's tier (its API key's, see ``gateway/phases/authenticate.py``) may override; a client
+may ask for a shorter total deadline with ``X-Request-Timeout-Ms``, never a longer one than its tier
+allows.
 """
 
 from __future__ import annotations
@@ -64,23 +65,10 @@ class TimeoutPolicy:
         self._default = Budget(t.connect_s, t.first_token_s, t.stall_s, t.total_s)
         self._models = t.models
         self._tiers = config.tiers
-        self._tier_by_key = {key: name for name, tier in config.tiers.items() for key in tier.api_keys}
-        self._tier_header = config.tier_header.encode()
         self._cache: dict[tuple[str, str | None], Budget] = {}
 
-    def tier_of(self, headers: list[tuple[bytes, bytes]]) -> str | None:
-        """The caller's tier: by API key first, else by the tier header, else none (the defaults)."""
-        named = None
-        for name, value in headers:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                tier = self._tier_by_key.get(value[7:].strip().decode("latin-1"))
-                if tier is not None:
-                    return tier
-            elif name == self._tier_header:
-                named = value.decode("latin-1")
-        return named if named in self._tiers else None
-
-    def budget(self, model: str, tier: str | None, headers: list[tuple[bytes, bytes]]) -> Budget:
+    def budget(self, model: str, tier: str | None, client_timeout_ms: bytes | None) -> Budget:
+        """The stages for ``model`` and ``tier``, the total capped by the client's own deadline."""
         key = (model, tier)
         budget = self._cache.get(key)
         if budget is None:
@@ -88,9 +76,8 @@ class TimeoutPolicy:
             if tier is not None:
                 budget = budget.merged(self._tiers[tier].timeouts)
             self._cache[key] = budget
-        for name, value in headers:
-            if name == CLIENT_TIMEOUT_HEADER:
-                return budget.capped(_client_deadline_s(value))
+        if client_timeout_ms is not None:
+            return budget.capped(_client_deadline_s(client_timeout_ms))
         return budget
 
 

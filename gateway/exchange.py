@@ -33,6 +33,7 @@ class Exchange:
         "admission",
         "affinity",
         "alt_svc",
+        "answer_headers",
         "attempts",
         "budget",
         "caller",
@@ -48,6 +49,7 @@ class Exchange:
         "held",
         "model_label",
         "pod",
+        "prompt_estimate",
         "req",
         "resumes",
         "rid",
@@ -100,6 +102,8 @@ class Exchange:
         self.usage_injected = False  # usage asked of the pod for quotas: strip it from the answer
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens the pods reported
         self.tokens_relayed = 0  # content events passed to the client (the charge when it leaves early)
+        self.prompt_estimate = 0  # the prompt's tokens as admission estimated them
+        self.answer_headers: list[tuple[bytes, bytes]] = []  # on every answer: CORS, x-ratelimit-*
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget
@@ -115,6 +119,8 @@ class Exchange:
         ]
         if self.alt_svc is not None:
             headers.append((b"alt-svc", self.alt_svc))
+        if self.answer_headers:
+            headers.extend(self.answer_headers)
         return headers
 
     def timeout(self, stage: str, metrics: GatewayMetrics) -> GatewayError:

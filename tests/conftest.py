@@ -116,9 +116,11 @@ def tls_config(fleet: Fleet, cert: Path, key: Path, port: int, **tls: Any) -> di
     }
 
 
-def pod_state(admin_url: str, name: str) -> dict[str, Any]:
-    """The live state of the gateway's pod ``name``, from ``/admin/pods`` on its admin listener."""
-    pods = httpx.get(admin_url + "/admin/pods").json()["pods"]
+def pod_state(admin_url: str, name: str, admin_key: str | None = None) -> dict[str, Any]:
+    """The live state of the gateway's pod ``name``, from ``/admin/pods`` on its admin listener
+    (with ``admin_key`` when auth is on)."""
+    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+    pods = httpx.get(admin_url + "/admin/pods", headers=headers).json()["pods"]
     return next(p for p in pods if p["name"] == name)["state"]
 
 

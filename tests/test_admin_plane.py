@@ -240,10 +240,6 @@ def key_store(tmp_path: Path) -> Iterator[Path]:
     yield path
 
 
-@pytest.mark.skip(
-    reason="the key store is not yet handed to the admin plane: the gateway must build it from "
-    "auth.keys_file and pass KeyStore.lookup to Gateway(config, lookup) (build_server's lookup)"
-)
 def test_a_gateway_with_a_key_store_opens_the_admin_plane_to_admin_keys_only(
     key_store: Path, fleet: Fleet
 ) -> None:

@@ -14,9 +14,10 @@ import openai
 import pytest
 
 from gateway.affinity import affinity_key
-from gateway.config import AffinityConfig, PodConfig
+from gateway.config import AffinityConfig, Config, PodConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pods.registry import PodRegistry
+from gateway.request_head import HeadReader
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import FAST, pod_state, wait_for
@@ -87,17 +88,23 @@ def test_affinity_yields_to_breakers_and_to_a_pod_far_busier_than_the_rest() -> 
 def test_keys_from_the_user_field_a_header_or_the_prompt_prefix() -> None:
     chat = {"model": "m", "user": "u-42", "messages": [{"role": "system", "content": "You are terse."}]}
     headers = [(b"x-session-id", b"s-7")]
-    assert affinity_key(AffinityConfig(key="user"), chat, headers) == "u-42"
-    assert affinity_key(AffinityConfig(key="user"), {"model": "m"}, headers) is None
-    assert affinity_key(AffinityConfig(key="header:x-session-id"), chat, headers) == "s-7"
-    assert affinity_key(AffinityConfig(key="header:x-other"), chat, headers) is None
+
+    def header_value(config: AffinityConfig) -> bytes | None:  # as the relay reads it, with the others
+        return HeadReader(Config(affinity=config)).read(headers).affinity
+
+    assert affinity_key(AffinityConfig(key="user"), chat, None) == "u-42"
+    assert affinity_key(AffinityConfig(key="user"), {"model": "m"}, None) is None
+    session = AffinityConfig(key="header:x-session-id")
+    assert affinity_key(session, chat, header_value(session)) == "s-7"
+    other = AffinityConfig(key="header:x-other")
+    assert affinity_key(other, chat, header_value(other)) is None
     prefix = AffinityConfig(key="prefix", prefix_chars=12)
-    assert affinity_key(prefix, chat, headers) == "system:You a"
+    assert affinity_key(prefix, chat, None) == "system:You a"
     follow_up = {**chat, "messages": [*chat["messages"], {"role": "user", "content": "hi"}]}
-    assert affinity_key(prefix, follow_up, headers) == "system:You a"  # same prefix, same pod
+    assert affinity_key(prefix, follow_up, None) == "system:You a"  # same prefix, same pod
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image"}]}]}
-    assert affinity_key(AffinityConfig(key="prefix"), parts, []) == "user:look\n"
-    assert affinity_key(AffinityConfig(key="prefix", prefix_chars=3), {"prompt": ["abcdef"]}, []) == "abc"
+    assert affinity_key(AffinityConfig(key="prefix"), parts, None) == "user:look\n"
+    assert affinity_key(AffinityConfig(key="prefix", prefix_chars=3), {"prompt": ["abcdef"]}, None) == "abc"
     with pytest.raises(ValueError):
         AffinityConfig(key="cookie")
 

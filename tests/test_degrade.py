@@ -17,6 +17,7 @@ from gateway.degrade import as_sse, non_streaming_body
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import pod_state, wait_for
+from tests.keys import auth_on, key_store
 
 
 def events(stream: bytes) -> list[dict]:
@@ -82,16 +83,20 @@ def test_a_whole_text_completion_becomes_a_stream_and_garbage_is_refused() -> No
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 30}
 
 
+KEYS: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[GatewayProcess]:
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    store = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    KEYS.update(key_store(store, {"id": "sk-free", "tier": "free"}, {"id": "sk-paid", "tier": "paid"},
+                          {"id": "ops", "rights": ["admin"]}))  # fmt: skip
     with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "25"]) as pod:
         config = {
             "server": {"host": "127.0.0.1"},
             "health": {"scrape": {"interval_s": 0.1}},
-            "tiers": {
-                "free": {"api_keys": ["sk-free"], "degrade": {"inter_token_p95_ms": 15}},
-                "paid": {"api_keys": ["sk-paid"]},
-            },
+            "auth": auth_on(store),
+            "tiers": {"free": {"degrade": {"inter_token_p95_ms": 15}}, "paid": {}},
             "pods": [{"name": "slow", "url": pod.url, "models": ["llama-8b"]}],
         }
         with GatewayProcess(config) as gw:
@@ -101,7 +106,7 @@ def gateway() -> Iterator[GatewayProcess]:
 def stream(url: str, key: str, **extra: object) -> tuple[str, httpx.Headers, list[dict]]:
     with httpx.stream(
         "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True, **extra},
-        headers={"authorization": f"Bearer {key}"}, timeout=30,
+        headers={"authorization": f"Bearer {KEYS[key]}"}, timeout=30,
     ) as resp:
         assert resp.status_code == 200
         body = resp.read()
@@ -111,7 +116,7 @@ def stream(url: str, key: str, **extra: object) -> tuple[str, httpx.Headers, lis
 
 
 def itl_p95_ms(admin_url: str) -> float | None:
-    return pod_state(admin_url, "slow")["load"]["itl_p95_ms"]
+    return pod_state(admin_url, "slow", KEYS["ops"])["load"]["itl_p95_ms"]
 
 
 def test_a_degrading_tier_streams_until_the_pod_is_slow_then_gets_whole_answers(
@@ -132,6 +137,6 @@ def test_a_degrading_tier_streams_until_the_pod_is_slow_then_gets_whole_answers(
     paid, headers, chunks = stream(url, "sk-paid")
     assert "x-sluicegate-degraded" not in headers and len(chunks) > 10 and paid == streamed
     # and the OpenAI SDK reads a degraded answer like any stream
-    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-free", max_retries=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEYS["sk-free"], max_retries=0)
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**CHAT, stream=True)]
     assert "".join(pieces) == streamed

@@ -15,17 +15,21 @@ import pytest
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import FAST
+from tests.keys import auth_on, key_store
+
+KEYS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[GatewayProcess]:
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    store = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    KEYS.update(key_store(store, {"id": "anyone"}, {"id": "sk-free", "tier": "free"},
+                          {"id": "sk-pro", "tier": "pro"}))  # fmt: skip
     with PodsimProcess(["--model", "llama-8b", *FAST]) as pod:
         config = {
             "server": {"host": "127.0.0.1", "max_messages": 8, "max_choices": 2},
-            "tiers": {
-                "free": {"api_keys": ["sk-free"], "max_tokens": 12, "max_messages": 4},
-                "pro": {"api_keys": ["sk-pro"]},
-            },
+            "auth": auth_on(store),
+            "tiers": {"free": {"max_tokens": 12, "max_messages": 4}, "pro": {}},
             "pods": [{"name": "pod-a", "url": pod.url, "models": ["llama-8b"]}],
         }
         with GatewayProcess(config) as gw:
@@ -36,8 +40,9 @@ def chat(messages: int = 1, **extra: object) -> dict:
     return {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}] * messages, **extra}
 
 
-def post(gw: GatewayProcess, body: dict, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+def post(gw: GatewayProcess, body: dict, key: str = "anyone") -> httpx.Response:
+    """``body`` sent with the key whose id is ``key`` (its tier's limits apply)."""
+    headers = {"authorization": f"Bearer {KEYS[key]}"}
     return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
@@ -54,7 +59,7 @@ def test_too_many_messages_is_a_400_naming_the_param(gateway: GatewayProcess) ->
 
 
 def test_a_tier_may_not_ask_for_more_tokens_than_its_cap(gateway: GatewayProcess) -> None:
-    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-free", max_retries=0)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEYS["sk-free"], max_retries=0)
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(**chat(max_tokens=13))
     assert raised.value.body["param"] == "max_tokens"
@@ -79,7 +84,8 @@ def test_a_capped_body_is_rewritten_whatever_unicode_the_client_sent(gateway: Ga
     # a lone surrogate is valid JSON; the body with the tier's cap written in must still encode
     raw = b'{"model":"llama-8b","messages":[{"role":"user","content":"\\ud800 hi"}],"ignore_eos":true}'
     resp = httpx.post(gateway.url + "/v1/chat/completions", content=raw, timeout=30,
-                      headers={"authorization": "Bearer sk-free", "content-type": "application/json"})
+                      headers={"authorization": f"Bearer {KEYS['sk-free']}",
+                               "content-type": "application/json"})  # fmt: skip
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 12
 

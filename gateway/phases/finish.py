@@ -1,0 +1,48 @@
+"""Finish: what the request cost and how it ended — its quota settled, its metrics, its access-log
+line. Runs once per request, whatever happened before."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.phases.limit import Limit
+
+access_log = logging.getLogger("sluicegate.access")
+
+
+def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool) -> None:
+    """Settle the quota, count the request, and write its access-log line (never the key: its id)."""
+    Limit.settle(ex)
+    elapsed = time.perf_counter() - ex.started
+    m = metrics
+    model = ex.model_label
+    m.child(m.requests, ex.route, model, str(ex.status), ex.transport).inc()
+    m.child(m.request_duration, ex.route, model).observe(elapsed)
+    if ex.ttft is not None:
+        m.child(m.time_to_first_token, model, ex.transport).observe(ex.ttft)
+    if ex.chunks:
+        m.child(m.stream_chunks, model).inc(ex.chunks)
+    if log_access:
+        caller = ex.caller
+        access_log.info(
+            "rid=%s client=%s key=%s route=%s transport=%s model=%s stream=%s pod=%s status=%d outcome=%s "
+            "ttft_ms=%s duration_ms=%.1f chunks=%d attempts=%s resumes=%d",
+            ex.rid,
+            ex.client,
+            "-" if caller is None or caller.key_id is None else caller.key_id,
+            ex.route,
+            ex.transport,
+            model,
+            int(bool(ex.req and ex.req.stream)),
+            ex.pod.name if ex.pod else "-",
+            ex.status,
+            ex.detail,
+            "-" if ex.ttft is None else f"{ex.ttft * 1000:.1f}",
+            elapsed * 1000,
+            ex.chunks,
+            ",".join(ex.attempts) or "-",
+            ex.resumes,
+        )
