@@ -53,6 +53,13 @@ def test_policy_key_then_tier_then_default() -> None:
     assert policy_for(config(), None, QuotaConfig()) is None
 
 
+def test_store_down_share_is_limit_over_replicas_at_least_one() -> None:
+    policy = QuotaPolicy(10, 1000, 2, True)
+    assert policy.scaled(3) == QuotaPolicy(3, 333, 1, True)
+    assert policy.scaled(1) is policy
+    assert QuotaPolicy(None, 5, None, False).scaled(8) == QuotaPolicy(None, 1, None, False)
+
+
 def test_reservation_estimates_prompt_and_completion() -> None:
     chat = {"messages": [{"role": "system", "content": "x" * 10}, {"role": "user", "content": "y" * 7}]}
     # 17 chars / 4 = 4.25 -> 5, + 4 per message, + max_tokens

@@ -87,10 +87,12 @@ class _Script:
 class RedisCounters:
     def __init__(self, url: str, prefix: str, timeout_s: float, lease_ttl_s: float) -> None:
         # No retries inside the client: a dead Redis must cost one timeout, then the breaker.
+        # Admissions are bounded by the caller's asyncio.timeout(timeout_s); the socket timeouts
+        # only bound background work (settles, renewals), whose batches may take longer.
         self.client = aioredis.Redis.from_url(
             url,
-            socket_timeout=max(timeout_s, 0.05),
-            socket_connect_timeout=max(timeout_s, 0.05),
+            socket_timeout=max(1.0, 10 * timeout_s),
+            socket_connect_timeout=max(1.0, 10 * timeout_s),
             retry=Retry(NoBackoff(), 0),
             decode_responses=False,
         )
