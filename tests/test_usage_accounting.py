@@ -24,7 +24,7 @@ from gateway.usage import UsageTap, ask_for_usage, tokens_of, wants_usage
 from loadtest.podsim import wire
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import counter_totals
+from tests.conftest import counter_totals, pod_state, wait_for
 
 # -- asking for usage ------------------------------------------------------------------------------
 
@@ -377,3 +377,43 @@ def test_a_resumed_stream_charges_every_pod_and_shows_the_client_no_usage(resuma
             assert prompt > 2 * usage["prompt_tokens"]
             resumed += 1
     assert resumed >= 1
+
+
+# -- system: a degraded answer under a quota -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def degrading() -> Iterator[Quota]:
+    with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "25"]) as pod:
+        config = {
+            "server": {"host": "127.0.0.1", "max_tokens": 64},
+            "health": {"scrape": {"interval_s": 0.1}},
+            "tiers": {
+                "free": {"degrade": {"inter_token_p95_ms": 15}, "quota": {"tokens_per_minute": 1_000_000}},
+            },
+            "pods": [{"name": "slow", "url": pod.url, "models": ["llama-8b"]}],
+        }
+        with GatewayProcess(config) as gw:
+            yield Quota(pod, gw)
+
+
+def test_a_degraded_answer_shows_no_usage_the_client_did_not_ask_for(degrading: Quota) -> None:
+    url, free = degrading.gateway.url, {"x-sluicegate-tier": "free"}
+    chat = {**BODY, "max_tokens": 30}
+    streamed = httpx.post(url + "/v1/chat/completions", json=chat, headers=free, timeout=30)
+    assert "x-sluicegate-degraded" not in streamed.headers and b'"usage"' not in streamed.content
+    # the pod has now streamed 30 tokens at 25 ms: its p95 gap is over the free tier's 15 ms
+    admin = degrading.gateway.admin_url
+    assert wait_for(lambda: (pod_state(admin, "slow")["load"]["itl_p95_ms"] or 0) > 15)
+    before = _tokens(degrading, "completion")
+    whole = httpx.post(url + "/v1/chat/completions", json=chat, headers=free, timeout=30)
+    assert whole.headers["x-sluicegate-degraded"] == "non-streaming"
+    assert "x-ratelimit-limit-tokens" in whole.headers
+    assert b'"usage"' not in whole.content and whole.content.endswith(b"data: [DONE]\n\n")
+    assert _tokens(degrading, "completion") == before + 30  # the whole answer's usage, recorded
+    asked = httpx.post(
+        url + "/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}},
+        headers=free, timeout=30,
+    )
+    assert asked.headers["x-sluicegate-degraded"] == "non-streaming"
+    assert b'"choices":[],"usage":' in asked.content
