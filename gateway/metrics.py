@@ -19,6 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -193,6 +194,26 @@ class GatewayMetrics:
             ["pod"],
             registry=registry,
         )
+        self.quota_store_mode = Gauge(
+            "sluicegate_quota_store_mode",
+            "1 for where quota counters are kept now: redis, or while Redis is down local "
+            "(fail_open quotas) and closed (fail_closed quotas answering 503).",
+            ["mode"],
+            registry=registry,
+        )
+        self.quota_decisions = Counter(
+            "sluicegate_quota_decisions_total",
+            "Quota admissions by outcome (admitted, refused, and the same decided while Redis is down).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.quota_redis_seconds = Histogram(
+            "sluicegate_quota_redis_seconds",
+            "Round trip of each admission's Redis script, by outcome (ok, error: failed or timed out).",
+            ["outcome"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1),
+            registry=registry,
+        )
 
     def watch_runtime(self, tasks: Callable[[], int], upstream_connections: Callable[[], int]) -> None:
         """Gauges read at scrape time, so a leak of tasks or pod connections shows on a graph."""
@@ -207,6 +228,10 @@ class GatewayMetrics:
             registry=self.registry,
         ).set_function(upstream_connections)
 
+    def watch_key_store(self, store: Any) -> None:
+        """The key store's size and reloads, read from it at scrape time (no per-request work)."""
+        self.registry.register(_KeyStoreCollector(store))
+
     def child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
         """``metric.labels(*labels)``, resolved once: prometheus_client's own lookup costs a few
         microseconds per call, which the per-request path pays several times over."""
@@ -218,3 +243,24 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _KeyStoreCollector:
+    """``sluicegate_api_keys`` and ``sluicegate_key_store_reloads_total{outcome}`` from the store's
+    own counters (``KeyStore.reloads``, ``reload_errors``)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def collect(self) -> Any:
+        keys = GaugeMetricFamily("sluicegate_api_keys", "API keys in force in the key store.")
+        keys.add_metric([], len(self.store))
+        yield keys
+        reloads = CounterMetricFamily(
+            "sluicegate_key_store_reloads",
+            "Key store re-reads after its file changed, by outcome (on an error the last good keys stay).",
+            labels=["outcome"],
+        )
+        reloads.add_metric(["ok"], getattr(self.store, "reloads", 0))
+        reloads.add_metric(["error"], getattr(self.store, "reload_errors", 0))
+        yield reloads
