@@ -99,13 +99,22 @@ def test_request_id_is_generated_when_absent(fleet: Fleet) -> None:
     assert re.fullmatch(r"[0-9a-f]{32}", resp.headers["x-request-id"])
 
 
-def test_curl_form_content_type_still_reaches_the_pod_as_json(fleet: Fleet) -> None:
-    resp = httpx.post(
-        fleet.url + "/v1/chat/completions",
-        content=json.dumps(CHAT),
-        headers={"content-type": "application/x-www-form-urlencoded"},
-    )
-    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+def test_a_body_not_labelled_json_is_refused_before_any_pod(fleet: Fleet, content_type: str | None) -> None:
+    # What a browser may send cross-origin without a preflight (and curl -d without -H) cannot
+    # start a generation: 415, in the OpenAI form.
+    headers = {"x-request-id": f"not-json-{content_type}"}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    resp = httpx.post(fleet.url + "/v1/chat/completions", content=json.dumps(CHAT), headers=headers)
+    assert resp.status_code == 415
+    assert resp.json()["error"]["code"] == "unsupported_media_type"
+    arrivals = httpx.get(fleet.pod_a.url + "/podsim/arrivals").json()["arrivals"]
+    assert headers["x-request-id"] not in {a["id"] for a in arrivals}
+    labelled = {"content-type": "application/json; charset=utf-8"}
+    resp = httpx.post(fleet.url + "/v1/chat/completions", content=json.dumps(CHAT), headers=labelled)
+    assert resp.status_code == 200
 
 
 # --- bad input gets a clear OpenAI-format error --------------------------------------------------
