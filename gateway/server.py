@@ -290,6 +290,7 @@ def build_server(config: Config, log_level: str = "info", lookup: KeyLookup | No
         backlog=4096,
         server_header=False,
         timeout_graceful_shutdown=5,
+        proxy_headers=False,  # the client address is ClientAddress's, from server.trusted_proxies only
     )
     return Server(uv_config, extra)
 
