@@ -38,6 +38,7 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
 
 from gateway.app import Gateway
+from gateway.auth.keystore import KeyStore, hash_key, new_key, write_file
 from gateway.cli import build_parser, resolve_config
 from gateway.config import Config, MigIdentity
 from gateway.migagent import MigAgent, make_app
@@ -205,7 +206,12 @@ def manifests(request: pytest.FixtureRequest) -> Manifests:
 
 @pytest.fixture(scope="module")
 def gateway_config(tmp_path_factory: pytest.TempPathFactory) -> Config:
-    return shipped().gateway_config(tmp_path_factory.mktemp("config"))
+    """The shipped config, its key store (a Secret in the cluster) a real one written here."""
+    directory = tmp_path_factory.mktemp("config")
+    config = shipped().gateway_config(directory)
+    store = directory / "keys.yaml"
+    write_file(store, [{"id": "ops", "hash": hash_key(new_key()), "rights": ["admin"]}])
+    return config.model_copy(update={"auth": config.auth.model_copy(update={"keys_file": str(store)})})
 
 
 def get_routes(config: Config) -> set[str]:
@@ -268,6 +274,48 @@ def test_the_gateway_config_is_valid_and_listens_where_the_pod_expects(gateway_c
     assert gateway_config.server.tls is None, "shipped without TLS: it needs a certificate Secret"
     spec = shipped().gateway().spec.template.spec
     assert port_number(spec, "http") == gateway_config.server.port
+
+
+def test_the_key_store_is_a_mounted_secret_the_gateway_rereads(tmp_path: Path) -> None:
+    """Auth is on, so the pod starts only with its key store: a Secret's key mounted where
+    auth.keys_file points, as a directory (a subPath mount is never updated, so a rotated key store
+    would never reach the gateway)."""
+    config = shipped().gateway_config(tmp_path)
+    assert config.auth.enabled, "auth is on by default and the shipped config keeps it on"
+    spec, container = shipped().gateway().spec.template.spec, shipped().gateway_container()
+    volume, key = volume_for(spec, container, config.auth.keys_file)
+    assert volume.secret is not None and volume.secret.secretName == "sluicegate-keys"
+    assert key == "keys.yaml", f"{config.auth.keys_file} is the Secret's key {key}, not keys.yaml"
+    mount = next(m for m in container.volumeMounts if m.name == volume.name)
+    assert not mount.subPath, "a subPath mount of a Secret is never updated: key changes would not arrive"
+    assert mount.readOnly
+    assert config.auth.reload_interval_s <= 5
+
+
+def _kubelet_writes(directory: Path, version: str, records: list[dict[str, Any]]) -> None:
+    """Update a Secret volume as the kubelet's atomic writer does: the files go into a new hidden
+    directory, the ``..data`` link is swapped to it by a rename, and each key is a link through
+    ``..data``; so the file at the mounted path changes identity, never contents in place."""
+    write_file(directory / version / "keys.yaml", records)
+    (directory / "..data_tmp").symlink_to(version)
+    old = (directory / "..data").readlink() if (directory / "..data").is_symlink() else None
+    (directory / "..data_tmp").rename(directory / "..data")
+    if not (directory / "keys.yaml").is_symlink():
+        (directory / "keys.yaml").symlink_to("..data/keys.yaml")
+    if old is not None:
+        for leftover in (directory / old).iterdir():
+            leftover.unlink()
+        (directory / old).rmdir()
+
+
+async def test_a_secret_updated_in_place_is_reread_without_a_restart(tmp_path: Path) -> None:
+    first, second = new_key(), new_key()
+    _kubelet_writes(tmp_path, "..v1", [{"id": "alice", "hash": hash_key(first)}])
+    store = KeyStore.load(tmp_path / "keys.yaml", None, reload_interval_s=0.05)
+    assert store.lookup(first) is not None and store.lookup(second) is None
+    _kubelet_writes(tmp_path, "..v2", [{"id": "bob", "hash": hash_key(second)}])  # alice revoked
+    assert await store.refresh()
+    assert store.lookup(first) is None and store.lookup(second) is not None
 
 
 def test_probes_and_scrape_annotations_use_real_gateway_routes(gateway_config: Config) -> None:
