@@ -65,7 +65,7 @@ def pods() -> Iterator[Pods]:
                 "scrape": {"interval_s": 0.1, "stale_after_s": 2},
                 "outlier": {"consecutive_failures": 3, "base_ejection_s": 60},
             },
-            "tiers": {"ops": {"api_keys": ["sk-ops"], "criticality": "critical"}},
+            "tiers": {"ops": {"criticality": "critical"}},  # auth off: the tier header names it
             "pods": [
                 {"name": n, "url": pod.url, "models": ["llama-8b"], "mig": {"gpu_uuid": GPU, "mig_uuid": mig}}
                 for n, pod, mig in (("pod-a", a, MIG_A), ("pod-b", b, MIG_B))
@@ -128,7 +128,8 @@ def test_when_every_pod_is_full_clients_get_a_fast_429_and_critical_traffic_stil
     client = openai.OpenAI(base_url=pods.url + "/v1", api_key="sk-none", max_retries=0)
     with pytest.raises(openai.RateLimitError):
         client.chat.completions.create(**CHAT)
-    ops = openai.OpenAI(base_url=pods.url + "/v1", api_key="sk-ops", max_retries=0)
+    ops = openai.OpenAI(base_url=pods.url + "/v1", api_key="sk-any", max_retries=0,
+                        default_headers={"x-sluicegate-tier": "ops"})  # fmt: skip
     assert ops.chat.completions.create(**CHAT).choices[0].message.content
 
 
@@ -136,7 +137,7 @@ def test_a_critical_requests_retry_keeps_its_criticality(pods: Pods) -> None:
     pods.fault(pods.a, kv_usage=0.97)  # full: only critical traffic may go there
     pods.fault(pods.b, status=503)  # the better-scored pod fails every answer
     assert wait_for(lambda: pods.state("pod-a")["breaker"]["pressure"] == "open")
-    ops = {"authorization": "Bearer sk-ops"}
+    ops = {"x-sluicegate-tier": "ops"}
     resp = httpx.post(pods.url + "/v1/chat/completions", json=CHAT, headers=ops)
     assert resp.status_code == 200 and resp.headers["x-sluicegate-pod"] == "pod-a"  # retried on the full pod
     standard = httpx.post(pods.url + "/v1/chat/completions", json=CHAT)

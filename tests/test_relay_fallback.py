@@ -34,7 +34,7 @@ async def _serve(app: Any, http: str) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def h11_gateway(fleet: Fleet) -> AsyncIterator[str]:
-    config = parse_config({"pods": [{"name": "pod-a", "url": fleet.pod_a.url}]})
+    config = parse_config({"pods": [{"name": "pod-a", "url": fleet.pod_a.url}], "auth": {"enabled": False}})
     async for url in _serve(Gateway(config), "h11"):
         yield url
 
@@ -59,7 +59,7 @@ class PlainReceive:
 
 @pytest.fixture
 async def plain_receive_gateway(fleet: Fleet) -> AsyncIterator[str]:
-    config = parse_config({"pods": [{"name": "pod-a", "url": fleet.pod_a.url}]})
+    config = parse_config({"pods": [{"name": "pod-a", "url": fleet.pod_a.url}], "auth": {"enabled": False}})
     async for url in _serve(PlainReceive(Gateway(config)), "httptools"):
         yield url
 

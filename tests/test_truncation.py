@@ -120,6 +120,8 @@ def expect_error(error: dict[str, Any], outcome: str) -> None:
 async def over(transport: str, env: Env, headers: dict[str, str]) -> dict[str, Any]:
     """One streamed request; the client's view of how it ended, as an error dict."""
     body = json.dumps({**CHAT, "stream": True}).encode()
+    if transport != "grpc-web":
+        headers = {**headers, "content-type": "application/json"}
     if transport == "h1":
         async with httpx.AsyncClient(timeout=20) as client:
             resp = await client.post(env.gw.url + "/v1/chat/completions", content=body, headers=headers)
