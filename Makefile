@@ -30,10 +30,13 @@ $(GRPCWEB_STAMP): $(GRPCWEB_CLIENT)/package.json $(GRPCWEB_CLIENT)/package-lock.
 			echo "test: npm ci failed; the gRPC-Web client tests will be skipped"; \
 	else echo "test: npm not found; the gRPC-Web client tests will be skipped"; fi
 
-test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets; installs redis-server from Debian when it can
+test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets; installs redis-server and chromium from Debian when it can
 	@command -v redis-server >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1; } || \
 		echo "test: redis-server could not be installed; the Redis quota tests will be skipped"
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+		echo "test: chromium could not be installed; the browser CORS tests will be skipped"
 	$(BIN)/python -m pytest -q
 
 fuzz: setup  ## the property tests of every parser a remote party feeds, with many more examples
@@ -53,6 +56,7 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 	$(BIN)/python -m loadtest.bench_overload $(BENCH_OVERLOAD_ARGS)
 	$(BIN)/python -m loadtest.bench_overload --health-delay-ms 1500 --section overload-slow-health $(BENCH_OVERLOAD_ARGS)
 	$(BIN)/python -m loadtest.bench_attacks $(BENCH_ATTACK_ARGS)
+	$(BIN)/python -m loadtest.bench_admission $(BENCH_ADMISSION_ARGS)
 
 soak: setup  ## a minute of mixed pod faults under load: every request ends cleanly, nothing leaks
 	$(BIN)/python -m loadtest.soak $(SOAK_ARGS)

@@ -20,6 +20,8 @@ from transports import sse
 
 def unsupported_reason(route: str, payload: dict[str, Any]) -> str | None:
     """Why this request's stream could not be continued correctly, or None if it can."""
+    if route not in ("chat", "completions"):
+        return f"the {route} API"
     if (payload.get("n") or 1) != 1:
         return "n > 1"
     if route == "chat" and (payload.get("tools") or payload.get("functions")):

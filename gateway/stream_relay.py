@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from gateway.admit import InferenceRequest
+from gateway.admit import CHUNK_ROUTES, InferenceRequest
 from gateway.completeness import FinishWatch, choices_of, incomplete
 from gateway.config import Config
 from gateway.errors import GatewayError, upstream_failed, upstream_truncated
@@ -106,7 +106,9 @@ class StreamRelay:
         )
         ex.status = 200
         ex.ttft = time.perf_counter() - ex.started
-        recorder = Recorder() if self.config.resume.enabled_for(req.model) else None
+        # Only chat and completions chunks can be recorded and continued elsewhere (not the Responses API)
+        resumable = req.route in CHUNK_ROUTES and self.config.resume.enabled_for(req.model)
+        recorder = Recorder() if resumable else None
         tap = UsageTap(ex) if UsageTap.metered(ex) else None
         first = recorder.filter(head) if recorder is not None else head
         if tap is not None:

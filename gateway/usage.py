@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.admit import InferenceRequest, encode_body
 from gateway.exchange import Exchange
+from transports import sse
 
 USAGE_MARK = b'"choices":[],"usage":'  # vLLM's (and podsim's) compact usage chunk
 _NOT_USAGE = b'"choices":[{'  # an event with a choice in it is a token chunk
@@ -70,7 +71,8 @@ def tokens_of(usage: Any) -> tuple[int, int] | None:
 def whole_answer_usage(ex: Exchange, answer: dict[str, Any]) -> dict[str, Any] | None:
     """Record a whole (non-streaming) answer's usage on the exchange; returns the usage object."""
     usage = answer.get("usage")
-    ex.usage = tokens_of(usage)
+    # the Responses API names them input_tokens / output_tokens
+    ex.usage = tokens_of(sse.responses_usage(usage) if ex.route == "responses" else usage)
     return usage if isinstance(usage, dict) else None
 
 

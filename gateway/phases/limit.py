@@ -79,8 +79,10 @@ class Limit:
         ex.admission = None
         if ex.usage is not None:
             used = ex.usage[0] + ex.usage[1]
-        elif ex.status == 200:  # it got an answer but no usage: the client left, or the pod said none
+        elif ex.status == 200 or (ex.status == 499 and ex.attempts):
+            # a pod worked on it but said no usage: the client left (the pod's generation was
+            # aborted then), or the pod never sends usage: the prompt and what was relayed
             used = ex.prompt_estimate + ex.tokens_relayed
-        else:  # no pod answered it
+        else:  # no pod took it on
             used = 0
         admission.settle(used)
