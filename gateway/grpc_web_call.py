@@ -31,7 +31,12 @@ from transports.sse import event_data, stream_incomplete
 log = logging.getLogger("sluicegate.grpc_web")
 
 # Response headers of the relay's that the client sees too.
-_PASSED_BACK = (b"x-request-id", b"x-sluicegate-pod", b"retry-after", b"x-sluicegate-degraded", b"alt-svc")
+_PASSED_BACK = frozenset((
+    b"x-request-id", b"x-sluicegate-pod", b"retry-after", b"x-sluicegate-degraded", b"alt-svc",
+    # the caller's quota (OpenAI's names), so a gRPC-Web client can pace itself as an SDK does
+    b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests",
+    b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens",
+))
 
 
 class Call:

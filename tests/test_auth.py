@@ -24,7 +24,7 @@ from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
 from tests.conftest import Fleet, tls_config, wait_for
 from tests.keys import add_key
-from tests.test_grpc_web import NODE_PROBLEM, connect, descriptor_set  # noqa: F401 (fixture)
+from tests.test_grpc_web import NODE_PROBLEM, connect, descriptor_set, grpc_web  # noqa: F401 (fixture)
 from tests.test_truncation import RawPod
 from transports.client import SluicegateClient, SluicegateError
 from transports.tls import self_signed
@@ -63,7 +63,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
 
 def auth_config(base: dict[str, Any], keys: Keys) -> dict[str, Any]:
     return {**base, "auth": {"enabled": True, "keys_file": str(keys.store), "reload_interval_s": 0.05},
-            "tiers": {"gold": {}}}  # fmt: skip
+            "tiers": {"gold": {"quota": {"requests_per_minute": 100_000}}}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +169,22 @@ def test_x_api_key_is_accepted_and_authorization_wins(
     refused = httpx.post(url, json=CHAT, timeout=30)
     assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
     assert refused.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_keys_quota_headers_reach_every_kind_of_client(
+    gateway: tuple[GatewayProcess, str], keys: Keys
+) -> None:
+    gw, _ = gateway
+    auth = {"authorization": f"Bearer {keys.good}"}
+    sse = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth, timeout=30)
+    assert sse.status_code == 200 and sse.headers["x-ratelimit-limit-requests"] == "100000"
+    resp, messages, status = grpc_web(gw.url, "StreamChatCompletion", {**CHAT, "max_tokens": 4}, headers=auth)
+    assert status["grpc-status"] == "0" and messages
+    assert resp.headers["x-ratelimit-limit-requests"] == "100000"
+    assert int(resp.headers["x-ratelimit-remaining-requests"]) < 100_000
+    wrong = {"authorization": "Bearer sk-sg-x"}
+    _, _, refused = grpc_web(gw.url, "StreamChatCompletion", CHAT, headers=wrong)
+    assert refused["grpc-status"] == "16"  # UNAUTHENTICATED, without a Node client too
 
 
 def test_a_refused_caller_never_reaches_a_pod_nor_sends_its_body(
