@@ -79,7 +79,7 @@ class Limit:
         ex.admission = None
         if ex.usage is not None:
             used = ex.usage[0] + ex.usage[1]
-        elif ex.status == 200 or (ex.status == 499 and ex.attempts):
+        elif ex.tried and ex.status in (200, 499):
             # a pod worked on it but said no usage: the client left (the pod's generation was
             # aborted then), or the pod never sends usage: the prompt and what was relayed
             used = ex.prompt_estimate + ex.tokens_relayed
