@@ -370,3 +370,26 @@ async def test_redis_frozen_fail_closed_answers_503_fast(prefix: str, make_quota
         outcomes = await _load(quotas, policy, 0.3, latencies)
         assert outcomes[200] > 0 and outcomes[503] == 0
         assert p99(latencies) < 0.025, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
+
+
+async def test_the_local_fallback_starts_from_what_the_fleet_had_admitted(prefix: str, make_quotas) -> None:
+    # Three replicas; this one saw the fleet admit 90 of a key's 120 requests this window through
+    # Redis. When Redis goes, its share left is (120 - 90) / 3 = 10, not a fresh 120 / 3 = 40.
+    clock = Clock(time.time() // 60 * 60 + 5)  # early in a window: the whole test stays in it
+    with RedisServer() as redis:
+        quotas = await make_quotas(redis.url, prefix, replicas=3, breaker_open_s=30, clock=clock)
+        policy = QuotaPolicy(120, None, None, True)
+        other = await quotas.admit("other", policy, 1)  # another key's share is untouched
+        redis.command("HSET", f"{prefix}key:{int(clock.now // 60)}", "r", 89)  # other replicas' work
+        last = headers(await quotas.admit("key", policy, 1))
+        assert last["x-ratelimit-remaining-requests"] == "30"
+        redis.stop()
+        admitted = 0
+        with pytest.raises(GatewayError) as refused:
+            for _ in range(50):
+                await quotas.admit("key", policy, 1)
+                admitted += 1
+        assert not quotas.store_up and refused.value.status == 429
+        assert admitted == 10
+        assert headers(await quotas.admit("other", policy, 1))["x-ratelimit-remaining-requests"] == "39"
+        other.settle(0)

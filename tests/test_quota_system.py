@@ -208,10 +208,6 @@ def test_streams_read_by_the_openai_sdk_are_charged_what_the_pod_used(single: Si
         remaining -= used[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway/phases/limit.py reserves the tier's max_tokens cap, not the max_tokens the request asked",
-)
 def test_a_request_reserves_the_max_tokens_it_asked_for(single: Single) -> None:
     _whole_window()
     raw = single.client("fresh").chat.completions.with_raw_response.create(

@@ -53,7 +53,7 @@ class Limit:
         if policy.tokens_per_minute is not None:
             per_token = self._chars_per_token
             ex.prompt_estimate = reservation(req.payload, req.route, 0, per_token)
-            tokens = reservation(req.payload, req.route, limits.max_tokens, per_token)
+            tokens = reservation(req.payload, req.route, _asked(req.payload, limits.max_tokens), per_token)
             if req.stream and req.route in _STREAMS_WITH_USAGE:
                 req, ex.usage_injected = ask_for_usage(req)
         subject = ex.caller.key_id if ex.caller.key_id is not None else f"tier:{ex.tier or '-'}"
@@ -86,3 +86,16 @@ class Limit:
         else:  # no pod took it on
             used = 0
         admission.settle(used)
+
+
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def _asked(payload: dict, cap: int | None) -> int | None:
+    """The completion tokens a request may generate: what it asked for (already checked against
+    the cap, or the cap written in by ``request_limits.enforce``), else the cap."""
+    for field in _TOKEN_FIELDS:
+        value = payload.get(field)
+        if type(value) is int and value > 0:
+            return value if cap is None else min(value, cap)
+    return cap

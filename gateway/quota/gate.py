@@ -111,6 +111,10 @@ class Quotas:
         self._replica = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
         self._leases: dict[str, dict[str, None]] = {}  # this replica's live Redis leases, per subject
+        # The fleet's counts per subject as Redis last reported them (window, requests, tokens):
+        # the local fallback starts from this replica's share of them.
+        self._seen: dict[str, tuple[int, int, int]] = {}
+        self._seen_window = -1
         self._pending: list[tuple[str, int, int, str]] = []
         self._flushing: asyncio.Task[None] | None = None
         self._renewing: asyncio.Task[None] | None = None
@@ -180,6 +184,7 @@ class Quotas:
                 self._observe("ok", started)
                 if self._breaker.succeeded(probe):
                     self._back()
+                self._remember(subject, decision)
                 if decision.refused is None and lease:
                     self._leases.setdefault(subject, {})[lease] = None
                 else:
@@ -197,7 +202,19 @@ class Quotas:
             )
         self._down_mode("local")
         share = policy.scaled(self.config.replicas)
+        seen = self._seen.pop(subject, None)
+        if seen is not None:  # the first local admission of this subject since Redis was lost
+            replicas = self.config.replicas
+            self._memory.seed(subject, seen[0], seen[1] // replicas, seen[2] // replicas)
         return self._decided(subject, share, tokens, self._memory.admit(subject, share, tokens), True)
+
+    def _remember(self, subject: str, decision: Decision) -> None:
+        """Keep the subject's latest fleet-wide counts (only this window's: older ones are dropped
+        when a new window begins, so this follows the keys in use, not every key ever seen)."""
+        if decision.window != self._seen_window:
+            self._seen_window = decision.window
+            self._seen.clear()
+        self._seen[subject] = (decision.window, decision.requests, decision.tokens)
 
     def _decided(
         self, subject: str, policy: QuotaPolicy, tokens: int, decision: Decision, down: bool, lease: str = ""

@@ -57,6 +57,21 @@ class MemoryCounters:
                 usage.streams += 1
         return Decision(refused, window, reset_in(now), usage.requests, usage.tokens, usage.streams)
 
+    def seed(self, subject: str, window: int, requests: int, tokens: int) -> None:
+        """Start ``subject``'s counts in ``window`` at no less than these: when Redis is lost
+        mid-window, this replica's share of what the fleet had already admitted, so falling back
+        to local counting does not hand out the window's whole quota a second time."""
+        usage = self._usage.get(subject)
+        if usage is None:
+            usage = self._usage[subject] = _Usage(window)
+        elif usage.window != window:
+            if usage.window > window:
+                return
+            usage.window = window
+            usage.requests = usage.tokens = 0
+        usage.requests = max(usage.requests, requests)
+        usage.tokens = max(usage.tokens, tokens)
+
     def settle(self, subject: str, window: int, refund: int, release: bool) -> None:
         """Give back ``refund`` tokens (negative: charge more) in ``window``, and the stream slot."""
         usage = self._usage.get(subject)
