@@ -129,13 +129,23 @@ class UsageTap:
         return held
 
     def wrap(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """A splice sink that feeds every read through the tap first."""
+        """A splice sink that feeds every read through the tap first.
+
+        It runs once per pod read of every stream under a quota, so the common read (whole events,
+        no usage event, nothing held) costs one ``in``, one ``count`` and the write; only the others
+        take ``feed``'s way (measured: ``docs/benchmarks.md``, "Admission: keys and quotas")."""
         feed = self.feed
+        ex = self.ex
+        mark = USAGE_MARK
 
         def tapped(body: bytes) -> None:
-            out = feed(body)
-            if out:
-                sink(out)
+            if self.held or mark in body or body[-1] != 10:
+                body = feed(body)
+                if body:
+                    sink(body)
+                return
+            ex.tokens_relayed += body.count(_EVENT)
+            sink(body)
 
         return tapped
 
