@@ -137,7 +137,7 @@ class _Exchange:
     def __init__(self, degraded: bool | None) -> None:
         self.deadline = asyncio.get_running_loop().time() + 60
         self.degraded, self.model_label, self.status = degraded, "m", 0
-        self.usage_injected, self.usage = False, None
+        self.usage_injected, self.usage, self.route = False, None, "chat"
         self.watch = SimpleNamespace(finished=False)
         self.sent: list[dict[str, Any]] = []
 

@@ -129,6 +129,9 @@ def _assert_openai_error(resp: httpx.Response, status: int, code: str) -> dict:
     return error
 
 
+JSON = {"content-type": "application/json"}
+
+
 @pytest.mark.parametrize(
     ("content", "code"),
     [
@@ -141,7 +144,7 @@ def _assert_openai_error(resp: httpx.Response, status: int, code: str) -> dict:
     ],
 )
 def test_malformed_requests_get_400(fleet: Fleet, content: bytes, code: str) -> None:
-    resp = httpx.post(fleet.url + "/v1/chat/completions", content=content)
+    resp = httpx.post(fleet.url + "/v1/chat/completions", content=content, headers=JSON)
     _assert_openai_error(resp, 400, code)
 
 
@@ -167,14 +170,14 @@ def test_oversized_body_is_413_with_and_without_content_length(fleet: Fleet) -> 
         for i in range(0, len(data), 8192):
             yield data[i : i + 8192]
 
-    resp = httpx.post(fleet.url + "/v1/chat/completions", content=chunks())
+    resp = httpx.post(fleet.url + "/v1/chat/completions", content=chunks(), headers=JSON)
     _assert_openai_error(resp, 413, "request_too_large")
 
 
 def test_wrong_method_and_unknown_route(fleet: Fleet) -> None:
     resp = httpx.get(fleet.url + "/v1/chat/completions")
     _assert_openai_error(resp, 405, "method_not_allowed")
-    assert resp.headers["allow"] == "POST"
+    assert resp.headers["allow"] == "POST, OPTIONS"  # OPTIONS: CORS preflights
     _assert_openai_error(httpx.get(fleet.url + "/v2/nothing"), 404, "not_found")
     _assert_openai_error(httpx.post(fleet.url + "/v1/models"), 405, "method_not_allowed")
 

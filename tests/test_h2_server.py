@@ -696,6 +696,7 @@ def test_listener_config_keys(tmp_path: Path) -> None:
             "tls": {"cert": str(cert), "key": str(key), "h3": False},
         },
         "pods": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "auth": {"enabled": False},
     })
     config = with_overrides(config, port=9999)  # the TLS block survives the command-line round trip
     extra = extra_listeners(config)
@@ -743,6 +744,7 @@ def test_bad_certificate_or_taken_port_exit_with_a_clear_message(tmp_path: Path)
         config.write_text(yaml.safe_dump({
             "server": {"port": 0, "tls": tls},
             "pods": [{"name": "a", "url": "http://127.0.0.1:9"}],
+            "auth": {"enabled": False}, "admin": {"port": 0},
         }))
         proc = subprocess.run(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
