@@ -66,7 +66,7 @@ def upstream_headers(headers: list[tuple[bytes, bytes]], rid: str, pod: Pod) -> 
     out.append((b"content-type", b"application/json"))
     out.append((b"accept-encoding", b"identity"))
     out.append((b"x-request-id", rid.encode()))
-    auth = getattr(pod, "auth_header", None)
+    auth = pod.auth_header
     if auth is not None:
         out.append((b"authorization", auth))
     return out
