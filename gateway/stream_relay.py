@@ -123,7 +123,6 @@ class StreamRelay:
         # continue on another pod when this stream may be resumed
         while True:
             err, broke = await self._pump(ex, pod, resp, recorder, choices, finish, tap)
-            ex.chunks += resp.chunks
             if err is None or not broke or recorder is None:
                 break
             resumed = await self._resume(ex, req, recorder, err, tap)
@@ -228,6 +227,9 @@ class StreamRelay:
             return upstream_truncated(pod.name, f"broke the stream mid-answer ({reason(exc)})."), True
         finally:
             stall.cancel()
+            # here, not after the pump returns: a client that leaves cancels it, and what it was
+            # sent must still be counted (the access log's chunks, sluicegate_stream_chunks_total)
+            ex.chunks += resp.chunks
 
     def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
         """Count a continuation pod as busy until the request ends."""

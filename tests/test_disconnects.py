@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.procs import GatewayProcess
-from tests.conftest import Fleet, pod_aborts, wait_for
+from tests.conftest import Fleet, counter_totals, gateway_in_flight, pod_aborts, wait_for
 
 LONG = {
     "model": "llama-8b",
@@ -79,3 +79,21 @@ def test_forty_clients_leaving_abort_forty_generations_and_leak_nothing(
     assert after["tasks"] == baseline["tasks"]
     assert after["fds"] <= baseline["fds"]
     assert after["upstream"] <= baseline["upstream"]
+
+
+def test_a_stream_the_client_leaves_is_still_counted(fleet: Fleet) -> None:
+    def chunks() -> float:
+        return sum(counter_totals(fleet.admin_url, "sluicegate_stream_chunks", "model").values())
+
+    before = chunks()
+    body = {"model": "llama-8b", "messages": [{"role": "user", "content": "go on"}], "stream": True,
+            "max_tokens": 200}  # fmt: skip
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+        events = 0
+        for line in resp.iter_lines():
+            events += line.startswith("data: ")
+            if events == 8:
+                break  # the client leaves mid-stream
+    assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)
+    # what it was sent (pod reads, each one or more of the 8 events), not 0 as before
+    assert wait_for(lambda: chunks() - before >= 2)
