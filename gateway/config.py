@@ -173,6 +173,9 @@ class ServerConfig(_Frozen):
         default=None, ge=1, description="completion tokens a request may ask for; None: the pod decides"
     )
     access_log: bool = True
+    access_log_format: Literal["text", "json"] = Field(
+        default="text", description="text: key=value pairs; json: one JSON object per request"
+    )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: how long streams may finish")
     h2c: bool = Field(default=True, description="HTTP/2 with prior knowledge on the cleartext port")
     max_concurrent_streams: int = Field(default=128, ge=1, description="per HTTP/2 connection")

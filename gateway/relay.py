@@ -97,6 +97,7 @@ class Relay:
         ))
         self._clients = ClientAddress(config.server.trusted_proxies)
         self._log_access = config.server.access_log
+        self._log_json = config.server.access_log_format == "json"
         self._max_body = config.server.max_body_bytes
         self.authenticate = Authenticate(config, keys)
         self.limit = Limit(config, quotas)
@@ -218,7 +219,7 @@ class Relay:
             del self._active[ex]
             if not self._active:
                 self._idle.set()
-            finish(ex, self.metrics, self._log_access)
+            finish(ex, self.metrics, self._log_access, self._log_json)
 
     async def _admit(
         self, ex: Exchange, receive: Receive, head: RequestHead, route: str, direct: bool

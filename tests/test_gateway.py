@@ -10,6 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.procs import GatewayProcess
 from tests.conftest import MAX_BODY, MIG_A, Fleet, gateway_in_flight, pod_aborts, wait_for
 
 CHAT = {
@@ -313,3 +314,23 @@ def test_client_leaving_while_waiting_for_the_first_token_aborts_too(fleet: Flee
         )
     assert wait_for(lambda: pod_aborts(fleet) >= before + 1)
     assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)
+
+
+def test_the_access_log_can_be_json_lines(fleet: Fleet) -> None:
+    config = {"server": {"host": "127.0.0.1", "access_log_format": "json"},
+              "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}]}  # fmt: skip
+    with GatewayProcess(config) as gw:
+        ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                        headers={"x-request-id": "json-1"}, timeout=30)  # fmt: skip
+        assert ok.status_code == 200
+        httpx.post(gw.url + "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user"}]},
+                   headers={"x-request-id": "json-2"}, timeout=30)  # fmt: skip
+        gw.stop()
+        lines = [line.split("sluicegate.access: ", 1)[1] for line in gw.log().splitlines()
+                 if "sluicegate.access: " in line]  # fmt: skip
+    records = {r["request_id"]: r for r in map(json.loads, lines)}
+    good, missing = records["json-1"], records["json-2"]
+    assert (good["status"], good["pod"], good["transport"], good["stream"]) == (200, "pod-a", "h1", True)
+    assert good["ttft_ms"] > 0 and good["chunks"] > 0 and good["completion_tokens"] is None  # not asked
+    assert good["mig_slice"] is None  # this pod was configured without one
+    assert (missing["status"], missing["outcome"], missing["pod"]) == (404, "model_not_found", None)

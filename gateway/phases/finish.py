@@ -3,8 +3,10 @@ line. Runs once per request, whatever happened before."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from typing import Any
 
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
@@ -13,8 +15,9 @@ from gateway.phases.limit import Limit
 access_log = logging.getLogger("sluicegate.access")
 
 
-def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool) -> None:
-    """Settle the quota, count the request, and write its access-log line (never the key: its id)."""
+def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool, log_json: bool = False) -> None:
+    """Settle the quota, count the request, and write its access-log line (never the key: its id):
+    ``key=value`` text, or one JSON object per line (``server.access_log_format: json``)."""
     Limit.settle(ex)
     elapsed = time.perf_counter() - ex.started
     m = metrics
@@ -25,7 +28,9 @@ def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool) -> None:
         m.child(m.time_to_first_token, model, ex.transport).observe(ex.ttft)
     if ex.chunks:
         m.child(m.stream_chunks, model).inc(ex.chunks)
-    if log_access:
+    if log_access and log_json:
+        access_log.info("%s", json.dumps(access_record(ex, elapsed), separators=(",", ":")))
+    elif log_access:
         caller = ex.caller
         access_log.info(
             "rid=%s client=%s key=%s route=%s transport=%s model=%s stream=%s pod=%s status=%d outcome=%s "
@@ -46,3 +51,32 @@ def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool) -> None:
             ",".join(ex.attempts) or "-",
             ex.resumes,
         )
+
+
+def access_record(ex: Exchange, elapsed_s: float) -> dict[str, Any]:
+    """One request as the JSON access log writes it (for log pipelines: no parsing of text)."""
+    caller = ex.caller
+    pod = ex.pod
+    mig = pod.config.mig if pod is not None else None
+    req = ex.req
+    return {
+        "request_id": ex.rid,
+        "client": ex.client,
+        "key_id": caller.key_id if caller is not None else None,
+        "tier": ex.tier,
+        "route": ex.route,
+        "model": ex.model_label,
+        "stream": bool(req and req.stream),
+        "transport": ex.transport,
+        "pod": pod.name if pod is not None else None,
+        "mig_slice": (mig.mig_uuid or mig.gpu_uuid) if mig is not None else None,
+        "status": ex.status,
+        "outcome": ex.detail,
+        "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
+        "duration_ms": round(elapsed_s * 1000, 2),
+        "prompt_tokens": ex.usage[0] if ex.usage is not None else None,
+        "completion_tokens": ex.usage[1] if ex.usage is not None else None,
+        "chunks": ex.chunks,
+        "attempts": list(ex.attempts),
+        "resumes": ex.resumes,
+    }
