@@ -8,6 +8,7 @@ a traceback.
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -562,6 +563,62 @@ class DiscoveryConfig(_Frozen):
         return self.kubernetes is not None or self.dns is not None
 
 
+# Variant names end up in metric labels, log lines and the override header: keep them plain.
+_VARIANT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+MAX_VARIANTS = 8  # one 64-byte blake2b digest gives each variant its own 64-bit hash
+
+
+class VariantConfig(_Frozen):
+    """One version of a route's model: the pods that serve it, the model name they know, its share."""
+
+    pods: dict[str, str] = Field(
+        default_factory=dict,
+        description="pod label selector (all must match); empty: the pods no other variant selects",
+    )
+    model: str | None = Field(default=None, min_length=1, description="upstream model; default: the route's")
+    weight: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="relative share of callers")
+
+
+class RouteConfig(_Frozen):
+    """A public model name split into variants, with sticky cohorts (``gateway.canary.routing``).
+
+    The baseline is the variant named ``stable`` (required): naming it, rather than taking the
+    first listed, keeps the baseline from changing when someone reorders the YAML.
+    """
+
+    variants: dict[str, VariantConfig]
+    sticky: str = Field(
+        default="conversation", pattern=r"^(key|user|conversation|header:[a-z0-9-]+)$",
+        description="what keeps a caller on its variant",
+    )
+    override_header: str = Field(default="x-sluicegate-variant", pattern=r"^[a-z0-9-]+$")
+    conversation_messages: int = Field(default=2, ge=1, le=64, description="sticky: conversation")
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, variants: dict[str, VariantConfig]) -> dict[str, VariantConfig]:
+        bad = [name for name in variants if not _VARIANT_NAME.match(name)]
+        if bad:
+            raise ValueError(
+                f"variant name(s) {', '.join(repr(name) for name in bad)} must be lowercase letters, digits "
+                "and '_', starting with a letter, at most 32 characters (they become metric labels)"
+            )
+        if "stable" not in variants:
+            named = ", ".join(variants) or "none"
+            raise ValueError(f"a route needs a variant named 'stable' (the baseline); it has: {named}")
+        if len(variants) > MAX_VARIANTS:
+            raise ValueError(f"a route has at most {MAX_VARIANTS} variants, not {len(variants)}")
+        if not any(variant.weight > 0 for variant in variants.values()):
+            raise ValueError("at least one variant needs a weight above 0, or no caller can be served")
+        rest = [name for name, variant in variants.items() if not variant.pods]
+        if len(rest) > 1:
+            raise ValueError(
+                f"variants {', '.join(rest)} all have empty 'pods'; only one may (it takes the pods that "
+                "no other variant selects)"
+            )
+        return variants
+
+
 class Config(_Frozen):
     server: ServerConfig = ServerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
@@ -578,6 +635,7 @@ class Config(_Frozen):
     admin: AdminConfig = AdminConfig()
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
+    routes: dict[str, RouteConfig] = Field(default_factory=dict, description="public model -> variants")
 
     @field_validator("pods", mode="wrap")
     @classmethod
