@@ -54,6 +54,7 @@ class Exchange:
         "resumes",
         "rid",
         "route",
+        "selector",
         "send",
         "started",
         "status",
@@ -65,6 +66,7 @@ class Exchange:
         "ttft",
         "usage",
         "usage_injected",
+        "variant",
         "watch",
     )
 
@@ -104,6 +106,8 @@ class Exchange:
         self.tokens_relayed = 0  # content events passed to the client (the charge when it leaves early)
         self.prompt_estimate = 0  # the prompt's tokens as admission estimated them
         self.answer_headers: list[tuple[bytes, bytes]] = []  # on every answer: CORS, x-ratelimit-*
+        self.variant: str | None = None  # the canary route's variant (stable, canary, ...)
+        self.selector: Any = None  # that variant's pods (a PodSelector), for every pick of the request
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget

@@ -100,6 +100,19 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.variant_requests = Counter(
+            "sluicegate_variant_requests_total",
+            "Requests to a canary route, by its model as sent upstream, variant and HTTP status.",
+            ["model", "variant", "status"],
+            registry=registry,
+        )
+        self.variant_time_to_first_token = Histogram(
+            "sluicegate_variant_time_to_first_token_seconds",
+            "Time to first token of a canary route's streams, by variant (stable and canary side by side).",
+            ["model", "variant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.stream_chunks = Counter(
             "sluicegate_stream_chunks_total",
             "Upstream reads relayed to streaming clients (each holds one or more SSE events).",

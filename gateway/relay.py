@@ -12,11 +12,12 @@ with its failure answer beside it (Pingora's ``ProxyHttp`` is the model):
 2. authenticate (``phases/authenticate.py``): the caller's key → its id, tier, models (401, 403);
 3. admit (here and ``gateway/admit.py``): the JSON body within its size and deadline (400, 408,
    413, 415);
-4. limit (``phases/limit.py``): the request's size against its tier, the caller's quota (400, 429);
-5. pick (``phases/pick.py``): a routable pod, or shed (404, 429, 503);
-6. attempt (``phases/attempt.py``): connect and await the first token, retrying elsewhere while
+4. route (``phases/route.py``): a canary route's variant for the public model (sticky cohorts);
+5. limit (``phases/limit.py``): the request's size against its tier, the caller's quota (400, 429);
+6. pick (``phases/pick.py``): a routable pod of that variant, or shed (404, 429, 503);
+7. attempt (``phases/attempt.py``): connect and await the first token, retrying elsewhere while
    nothing was sent (502, 504); then relay (``gateway/stream_relay.py``, ``gateway/whole_answer.py``);
-7. finish (``phases/finish.py``): quota settled, metrics, access log.
+8. finish (``phases/finish.py``): quota settled, metrics, access log.
 
 Response status and headers are held until the pod's first token has arrived, so any failure before
 that is still answered with a proper status code.
@@ -44,6 +45,7 @@ from gateway.phases.authenticate import Authenticate, KeyLookup
 from gateway.phases.finish import finish
 from gateway.phases.limit import Limit
 from gateway.phases.pick import Pick
+from gateway.phases.route import Route
 from gateway.pods.registry import PodRegistry
 from gateway.quota import Quotas
 from gateway.request_head import HeadReader, RequestHead
@@ -101,6 +103,7 @@ class Relay:
         self._max_body = config.server.max_body_bytes
         self.authenticate = Authenticate(config, keys)
         self.limit = Limit(config, quotas)
+        self.route = Route(config)
         self.pick = Pick(config, registry, metrics)
         self.attempt = Attempt(config, registry, metrics, client, self.pick)
         self._watch_keys: asyncio.Task[None] | None = None
@@ -191,6 +194,7 @@ class Relay:
             ex.tier = caller.tier
             req = await self._admit(ex, receive, head, route, direct)
             self.authenticate.authorize(caller, req.model)
+            ex.req = req = self.route.choose(ex, req, head)
             ex.criticality = self.pick.criticality(ex.tier, head)
             ex.set_budget(self.timeouts.budget(req.model, ex.tier, head.timeout_ms))
             ex.req = req = await self.limit.admit(ex, req)

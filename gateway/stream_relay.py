@@ -257,7 +257,9 @@ class StreamRelay:
         loop = asyncio.get_running_loop()
         while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
             done = Transcript.read(bytes(recorder.sent))
-            pod = self.registry.pick(req.model, exclude=tuple(ex.tried), criticality=ex.criticality)
+            pod = self.registry.pick(
+                req.model, exclude=tuple(ex.tried), criticality=ex.criticality, pods=ex.selector
+            )
             if pod is None:
                 break
             ex.resumes += 1

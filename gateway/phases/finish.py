@@ -28,19 +28,24 @@ def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool, log_json: bo
         m.child(m.time_to_first_token, model, ex.transport).observe(ex.ttft)
     if ex.chunks:
         m.child(m.stream_chunks, model).inc(ex.chunks)
+    if ex.variant is not None:
+        m.child(m.variant_requests, model, ex.variant, str(ex.status)).inc()
+        if ex.ttft is not None:
+            m.child(m.variant_time_to_first_token, model, ex.variant).observe(ex.ttft)
     if log_access and log_json:
         access_log.info("%s", json.dumps(access_record(ex, elapsed), separators=(",", ":")))
     elif log_access:
         caller = ex.caller
         access_log.info(
-            "rid=%s client=%s key=%s route=%s transport=%s model=%s stream=%s pod=%s status=%d outcome=%s "
-            "ttft_ms=%s duration_ms=%.1f chunks=%d attempts=%s resumes=%d",
+            "rid=%s client=%s key=%s route=%s transport=%s model=%s variant=%s stream=%s pod=%s status=%d "
+            "outcome=%s ttft_ms=%s duration_ms=%.1f chunks=%d attempts=%s resumes=%d",
             ex.rid,
             ex.client,
             "-" if caller is None or caller.key_id is None else caller.key_id,
             ex.route,
             ex.transport,
             model,
+            ex.variant or "-",
             int(bool(ex.req and ex.req.stream)),
             ex.pod.name if ex.pod else "-",
             ex.status,
@@ -66,6 +71,7 @@ def access_record(ex: Exchange, elapsed_s: float) -> dict[str, Any]:
         "tier": ex.tier,
         "route": ex.route,
         "model": ex.model_label,
+        "variant": ex.variant,
         "stream": bool(req and req.stream),
         "transport": ex.transport,
         "pod": pod.name if pod is not None else None,

@@ -57,9 +57,10 @@ class Pick:
         if not self.registry.knows(req.model):
             raise model_not_found(req.model)
         ex.model_label = req.model
-        pod = self.registry.pick(req.model, criticality=ex.criticality, **self._affinity_of(ex))
+        only = ex.selector  # a canary route's variant: its pods only
+        pod = self.registry.pick(req.model, criticality=ex.criticality, pods=only, **self._affinity_of(ex))
         if pod is None:
-            status, reason, retry_after = self.registry.shed_reason(req.model, ex.criticality)
+            status, reason, retry_after = self.registry.shed_reason(req.model, ex.criticality, only=only)
             retry_after = min(retry_after, self.config.shedding.retry_after_max_s)
             self.metrics.child(self.metrics.shed, req.model, ex.criticality, reason).inc()
             if status == 429:
@@ -75,10 +76,11 @@ class Pick:
         if len(tried) >= self.config.retries.max_attempts or loop_time >= ex.deadline:
             raise failure.error
         pod = self.registry.pick(
-            req.model, exclude=tuple(tried), criticality=ex.criticality, **self._affinity_of(ex)
+            req.model, exclude=tuple(tried), criticality=ex.criticality, pods=ex.selector,
+            **self._affinity_of(ex),
         )
         if pod is None:
-            status, _, retry_after = self.registry.shed_reason(req.model, ex.criticality)
+            status, _, retry_after = self.registry.shed_reason(req.model, ex.criticality, only=ex.selector)
             if status == 503:  # the last live pod just went (refused): say so as later requests will hear
                 raise no_capacity(req.model, min(retry_after, self.config.shedding.retry_after_max_s))
             raise failure.error

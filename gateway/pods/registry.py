@@ -13,8 +13,8 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from gateway.config import HealthConfig, PodConfig
@@ -48,6 +48,12 @@ _MODE_LOG = {  # (mode, entering) -> (log level, what the operator reads)
 }
 
 _NO_ACCESS = PodAccess()  # no keys; the system trust store for https:// pods (built when first needed)
+
+
+class PodFilter(Protocol):
+    """Which pods a request may go to (a canary route's variant: ``gateway.canary.routing``)."""
+
+    def matches(self, pod_labels: Mapping[str, str]) -> bool: ...
 
 
 class Pod:
@@ -276,6 +282,7 @@ class PodRegistry:
         now: float | None = None,
         affinity: str | None = None,
         max_load_factor: float = 1.5,
+        pods: PodFilter | None = None,
     ) -> Pod | None:
         """The best pod for ``model``'s next request, or None when none can take it.
 
@@ -286,9 +293,12 @@ class PodRegistry:
         on in-flight counts rather than refusing everything. Among the qualified, the better of two
         (power of two choices), so that many gateway replicas do not herd onto one pod; ties rotate.
         ``exclude`` holds pods this request already tried. With an ``affinity`` key, the key's own
-        pod among the qualified (see ``_by_affinity``) instead.
+        pod among the qualified (see ``_by_affinity``) instead. ``pods`` keeps only the pods of a
+        canary route's variant (their labels match).
         """
         candidates = self._by_model.get(model)
+        if candidates and pods is not None:
+            candidates = tuple(p for p in candidates if pods.matches(p.config.labels))
         if not candidates:
             return None
         now = time.monotonic() if now is None else now
@@ -372,14 +382,19 @@ class PodRegistry:
         if self.metrics is not None:
             getattr(self.metrics, mode).labels(model).set(1 if on else 0)
 
-    def shed_reason(self, model: str, criticality: str, now: float | None = None) -> tuple[int, str, int]:
+    def shed_reason(
+        self, model: str, criticality: str, now: float | None = None, only: PodFilter | None = None
+    ) -> tuple[int, str, int]:
         """Why ``pick`` found nothing: (status, reason, Retry-After seconds).
 
         429 when pods are healthy but full or ejected (capacity comes back by itself), 503 when no
-        pod of the model is healthy at all.
+        pod of the model (of the variant, with ``only``) is healthy at all.
         """
         now = time.monotonic() if now is None else now
-        pods = self._routable(model, self._by_model.get(model, ()))
+        candidates = self._by_model.get(model, ())
+        if only is not None:
+            candidates = tuple(p for p in candidates if only.matches(p.config.labels))
+        pods = self._routable(model, candidates)
         if not pods:
             return 503, "no_healthy_pod", 5
         waits = []
