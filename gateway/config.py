@@ -579,6 +579,41 @@ class VariantConfig(_Frozen):
     weight: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="relative share of callers")
 
 
+class RolloutJudgeConfig(_Frozen):
+    """The judge's knobs (``gateway.canary.judge.JudgeConfig``), kept here so config stays data."""
+
+    alpha: float = Field(default=0.01, gt=0, lt=1, description="bound on ever failing a good canary per step")
+    ttft_tolerance: float = Field(default=0.10, ge=0, allow_inf_nan=False)
+    itl_tolerance: float = Field(default=0.10, ge=0, allow_inf_nan=False)
+    rate_tolerance: float = Field(default=0.10, ge=0, allow_inf_nan=False)
+    rate_margin: float = Field(default=0.005, ge=0, allow_inf_nan=False)
+    tau_latency: float = Field(default=0.3, gt=0, allow_inf_nan=False)
+    min_samples_to_fail: int = Field(default=20, ge=2)
+
+
+class RolloutConfig(_Frozen):
+    """A route's rollout plan (``gateway.canary.rollout``): the canary's weight steps, and the hold and
+    sample each step needs before the judge may pass it."""
+
+    steps: tuple[float, ...] = Field(default=(1.0, 5.0, 25.0, 50.0, 100.0), min_length=1)
+    min_hold_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    min_samples: int = Field(default=100, ge=1, description="clean streams per variant, per step")
+    canary: str = Field(default="canary", description="the variant under test")
+    judge: RolloutJudgeConfig = RolloutJudgeConfig()
+    on_rollback: Literal["finish", "resume"] = "finish"
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0.0 < step <= 100.0 for step in steps):
+            raise ValueError("rollout steps are canary percentages in (0, 100]")
+        if list(steps) != sorted(set(steps)):
+            raise ValueError("rollout steps must be strictly increasing")
+        if steps[0] >= 100.0:
+            raise ValueError("the first rollout step must be below 100: at 100 no stable is left to judge")
+        return steps
+
+
 class RouteConfig(_Frozen):
     """A public model name split into variants, with sticky cohorts (``gateway.canary.routing``).
 
@@ -593,6 +628,7 @@ class RouteConfig(_Frozen):
     )
     override_header: str = Field(default="x-sluicegate-variant", pattern=r"^[a-z0-9-]+$")
     conversation_messages: int = Field(default=2, ge=1, le=64, description="sticky: conversation")
+    rollout: RolloutConfig | None = None
 
     @field_validator("variants")
     @classmethod
@@ -617,6 +653,18 @@ class RouteConfig(_Frozen):
                 "no other variant selects)"
             )
         return variants
+
+    @model_validator(mode="after")
+    def _rollout_variants(self) -> RouteConfig:
+        # The judge compares two variants; a third would take traffic the plan does not account for.
+        if self.rollout is not None:
+            canary = self.rollout.canary
+            if canary == "stable" or set(self.variants) != {"stable", canary}:
+                raise ValueError(
+                    f"a rollout needs exactly the variants 'stable' and {canary!r} (rollout.canary); "
+                    f"this route has: {', '.join(self.variants)}"
+                )
+        return self
 
 
 class Config(_Frozen):
