@@ -76,8 +76,10 @@ class AdminPlane:
         metrics: GatewayMetrics,
         lookup: KeyLookup | None,
         clock: Callable[[], float] = time.time,
+        rollouts: Any = None,
     ) -> None:
         self.registry = registry
+        self.rollouts = rollouts  # gateway.canary.rollouts.Rollouts
         self.monitor = monitor
         self.metrics = metrics
         self.lookup = lookup
@@ -87,6 +89,8 @@ class AdminPlane:
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/admin/pods", self.admin_pods, methods=["GET"]),
                 Route("/admin/pods/{name}/clear", self.clear_pod, methods=["POST"]),
+                Route("/admin/rollouts", self.list_rollouts, methods=["GET"]),
+                Route("/admin/rollouts/{model:path}/{action}", self.steer_rollout, methods=["POST"]),
             ],
             exception_handlers={HTTPException: http_error},
         )
@@ -139,6 +143,38 @@ class AdminPlane:
             )
         self.monitor.clear(pod)
         return JSONResponse(pod.snapshot())
+
+    async def list_rollouts(self, request: Request) -> Response:
+        """Every canary rollout: its step, weights, state, and the judge's evidence."""
+        refused = self.refusal(request)
+        if refused is not None:
+            return refused
+        return JSONResponse({"rollouts": self.rollouts.status() if self.rollouts is not None else []})
+
+    async def steer_rollout(self, request: Request) -> Response:
+        """``pause``, ``resume``, ``promote`` or ``abort`` a route's rollout (``?why=`` is logged)."""
+        refused = self.refusal(request)
+        if refused is not None:
+            return refused
+        action = request.path_params["action"]
+        if action not in ("pause", "resume", "promote", "abort"):
+            body = error_body(
+                f"Unknown action {action!r}: pause, resume, promote or abort.", "invalid_request_error",
+                "unknown_action",
+            )
+            return Response(body, 400, media_type="application/json")
+        why = request.query_params.get("why", "operator")
+        status = None
+        if self.rollouts is not None:
+            try:
+                status = self.rollouts.command(request.path_params["model"], action, why)
+            except ValueError as exc:  # RolloutError: not in this state (resume a rolled-back one)
+                body = error_body(str(exc), "invalid_request_error", "rollout_conflict")
+                return Response(body, 409, media_type="application/json")
+        if status is None:
+            body = error_body("No rollout for that model.", "invalid_request_error", "rollout_not_found")
+            return Response(body, 404, media_type="application/json")
+        return JSONResponse(status)
 
 
 async def http_error(_request: Request, exc: Any) -> Response:

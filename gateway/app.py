@@ -97,7 +97,10 @@ class Gateway:
             exception_handlers={HTTPException: http_error},
             lifespan=self._lifespan,
         )
-        self.admin = AdminPlane(self.registry, self.monitor, self.metrics, lookup)
+        rollouts = self.relay.rollouts
+        self.admin = AdminPlane(self.registry, self.monitor, self.metrics, lookup, rollouts=rollouts)
+        if self.relay.rollouts.active:
+            self.metrics.watch_rollouts(self.relay.rollouts)
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -138,6 +141,8 @@ class Gateway:
             ),
             asyncio.create_task(self.monitor.run(), name="pod-monitor"),
         ]
+        if self.relay.rollouts.active:
+            loops.append(asyncio.create_task(self.relay.rollouts.run(), name="rollouts"))
         if discovery.kubernetes is not None:
             k8s = discovery.kubernetes
             watcher = KubernetesDiscovery(

@@ -50,6 +50,7 @@ class Exchange:
         "model_label",
         "pod",
         "prompt_estimate",
+        "public_model",
         "req",
         "resumes",
         "rid",
@@ -107,6 +108,7 @@ class Exchange:
         self.prompt_estimate = 0  # the prompt's tokens as admission estimated them
         self.answer_headers: list[tuple[bytes, bytes]] = []  # on every answer: CORS, x-ratelimit-*
         self.variant: str | None = None  # the canary route's variant (stable, canary, ...)
+        self.public_model = ""  # the model the client named (a canary variant may rename it)
         self.selector: Any = None  # that variant's pods (a PodSelector), for every pick of the request
 
     def set_budget(self, budget: Budget) -> None:

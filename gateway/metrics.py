@@ -245,6 +245,10 @@ class GatewayMetrics:
         """The key store's size and reloads, read from it at scrape time (no per-request work)."""
         self.registry.register(_KeyStoreCollector(store))
 
+    def watch_rollouts(self, rollouts: Any) -> None:
+        """Each rollout's canary weight, step and state, read from it at scrape time."""
+        self.registry.register(_RolloutCollector(rollouts))
+
     def child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
         """``metric.labels(*labels)``, resolved once: prometheus_client's own lookup costs a few
         microseconds per call, which the per-request path pays several times over."""
@@ -277,3 +281,33 @@ class _KeyStoreCollector:
         reloads.add_metric(["ok"], getattr(self.store, "reloads", 0))
         reloads.add_metric(["error"], getattr(self.store, "reload_errors", 0))
         yield reloads
+
+
+class _RolloutCollector:
+    """``sluicegate_rollout_canary_percent``, ``_step`` and ``_state`` per route (a handful of
+    routes, four states: bounded)."""
+
+    def __init__(self, rollouts: Any) -> None:
+        self.rollouts = rollouts
+
+    def collect(self) -> Any:
+        percent = GaugeMetricFamily(
+            "sluicegate_rollout_canary_percent", "The canary's share of the route's callers now.",
+            labels=["model"],
+        )
+        step = GaugeMetricFamily(
+            "sluicegate_rollout_step", "The rollout's step (0 is the first).", labels=["model"]
+        )
+        state = GaugeMetricFamily(
+            "sluicegate_rollout_state",
+            "1 for the rollout's state: progressing, paused, promoted, rolled_back.",
+            labels=["model", "state"],
+        )
+        for model, rollout in self.rollouts.active.items():
+            percent.add_metric([model], rollout.canary_percent)
+            step.add_metric([model], rollout.step)
+            for name in ("progressing", "paused", "promoted", "rolled_back"):
+                state.add_metric([model, name], 1 if rollout.state == name else 0)
+        yield percent
+        yield step
+        yield state

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
+from gateway.canary.rollouts import Rollouts
 from gateway.client_address import ClientAddress
 from gateway.config import Config
 from gateway.cors import CorsPolicy
@@ -104,6 +105,7 @@ class Relay:
         self.authenticate = Authenticate(config, keys)
         self.limit = Limit(config, quotas)
         self.route = Route(config)
+        self.rollouts = Rollouts(config, self.route)
         self.pick = Pick(config, registry, metrics)
         self.attempt = Attempt(config, registry, metrics, client, self.pick)
         self._watch_keys: asyncio.Task[None] | None = None
@@ -223,7 +225,7 @@ class Relay:
             del self._active[ex]
             if not self._active:
                 self._idle.set()
-            finish(ex, self.metrics, self._log_access, self._log_json)
+            finish(ex, self.metrics, self._log_access, self._log_json, self.rollouts)
 
     async def _admit(
         self, ex: Exchange, receive: Receive, head: RequestHead, route: str, direct: bool

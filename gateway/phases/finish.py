@@ -15,7 +15,9 @@ from gateway.phases.limit import Limit
 access_log = logging.getLogger("sluicegate.access")
 
 
-def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool, log_json: bool = False) -> None:
+def finish(
+    ex: Exchange, metrics: GatewayMetrics, log_access: bool, log_json: bool = False, rollouts: Any = None
+) -> None:
     """Settle the quota, count the request, and write its access-log line (never the key: its id):
     ``key=value`` text, or one JSON object per line (``server.access_log_format: json``)."""
     Limit.settle(ex)
@@ -29,6 +31,8 @@ def finish(ex: Exchange, metrics: GatewayMetrics, log_access: bool, log_json: bo
     if ex.chunks:
         m.child(m.stream_chunks, model).inc(ex.chunks)
     if ex.variant is not None:
+        if rollouts is not None:
+            rollouts.observe(ex, elapsed)  # a sample for the canary's judge
         m.child(m.variant_requests, model, ex.variant, str(ex.status)).inc()
         if ex.ttft is not None:
             m.child(m.variant_time_to_first_token, model, ex.variant).observe(ex.ttft)

@@ -45,6 +45,7 @@ class Route:
         cohort = router.cohort_key(key_id, req.payload, sticky)
         may_override = caller is not None and has_right(caller, "variant_override")
         choice = router.choose(cohort, override=override, may_override=may_override)
+        ex.public_model = req.model
         ex.variant = choice.variant
         ex.selector = choice.pods
         if choice.model == req.model:
