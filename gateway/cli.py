@@ -1,5 +1,5 @@
 """The ``sluicegate`` command: ``serve`` the gateway, run a ``podsim`` or a ``mig-agent``, a local
-``demo`` of pods and gateway, or manage API ``keys``."""
+``demo`` of pods and gateway, manage API ``keys``, or steer a canary ``rollout``."""
 
 from __future__ import annotations
 
@@ -106,6 +106,13 @@ rights (admin: the admin API) and an optional expiry and quota; 'revoke' removes
 shows them (never the hashes). A running gateway picks up changes within auth.reload_interval_s,
 without a restart and without dropping streams. Reference: docs/configuration.md (auth.*)."""
 
+_ROLLOUT = """\
+Show and steer a running gateway's canary rollouts through its admin API: 'status' prints each
+rollout's state, step, weights, samples and the judge's last verdict (--json: the API's JSON);
+'pause', 'resume', 'promote' and 'abort' steer one model's rollout, --why recorded in its history.
+Needs an API key with the admin right when auth is on (--key or $SLUICEGATE_ADMIN_KEY).
+See docs/canary.md."""
+
 _PODSIM = """\
 Run one simulated vLLM pod: the OpenAI-compatible API with streaming, vLLM's /metrics names,
 a KV cache and scheduler modelled on a GPU or MIG slice, and faults injected per process
@@ -184,6 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.auth.keys_cli import add_arguments as add_keys_arguments
 
     add_keys_arguments(keys, _HelpFormatter)
+    rollout = _subcommand(
+        commands, "rollout", "show, pause, resume, promote or abort canary rollouts (admin API)", _ROLLOUT,
+        _epilog(
+            "sluicegate rollout status",
+            "sluicegate rollout pause llama-8b --why 'looking at the TTFT graph'",
+            "sluicegate rollout abort llama-8b --admin-url http://10.0.0.7:9090 --key $ADMIN_KEY",
+            notes="exit status: 0, or 2 with one line on stderr (unknown model, a control the state does\n"
+            "not allow, a refused key, no gateway at --admin-url)",
+        ),
+    )
+    from gateway.rollout_cli import add_arguments as add_rollout_arguments
+
+    add_rollout_arguments(rollout)
     agent = _subcommand(
         commands, "mig-agent", "serve this node's GPU and MIG-slice health from NVML (a DaemonSet)", _AGENT,
         _epilog(
@@ -236,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.auth.keys_cli import run as run_keys
 
         return run_keys(args)
+    if args.command == "rollout":
+        from gateway.rollout_cli import run as run_rollout
+
+        return run_rollout(args)
     try:
         config = resolve_config(args)
     except ConfigError as exc:
