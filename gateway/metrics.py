@@ -24,6 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
+# seconds per output token: a fast decode is a few ms a token, a starved one a second or two
+_TOKEN_BUCKETS = (
+    0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.5, 0.75, 1.0, 2.0,
+)
 
 
 class GatewayMetrics:
@@ -111,6 +116,22 @@ class GatewayMetrics:
             "Time to first token of a canary route's streams, by variant (stable and canary side by side).",
             ["model", "variant"],
             buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.time_per_output_token = Histogram(
+            "sluicegate_time_per_output_token_seconds",
+            "Inter-token latency of each successful stream: (duration - time to first token) / "
+            "(output tokens - 1), output tokens from the pod's usage or else upstream reads, so an "
+            "approximation where a read holds several tokens. Variant 'none' outside canary routes.",
+            ["model", "variant", "transport"],
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.variant_tokens = Counter(
+            "sluicegate_tokens_by_variant_total",
+            "Tokens the pods reported per request, by kind (prompt, completion) and the canary route's "
+            "variant ('none' outside canary routes).",
+            ["model", "variant", "kind"],
             registry=registry,
         )
         self.stream_chunks = Counter(

@@ -14,6 +14,8 @@ from gateway.phases.limit import Limit
 
 access_log = logging.getLogger("sluicegate.access")
 
+_WHOLE = frozenset(("ok", "resumed"))  # the stream reached its end (a resumed one on a second pod)
+
 
 def finish(
     ex: Exchange, metrics: GatewayMetrics, log_access: bool, log_json: bool = False, rollouts: Any = None
@@ -30,6 +32,17 @@ def finish(
         m.child(m.time_to_first_token, model, ex.transport).observe(ex.ttft)
     if ex.chunks:
         m.child(m.stream_chunks, model).inc(ex.chunks)
+    variant = ex.variant or "none"
+    usage = ex.usage
+    if usage is not None:
+        m.child(m.variant_tokens, model, variant, "prompt").inc(usage[0])
+        m.child(m.variant_tokens, model, variant, "completion").inc(usage[1])
+    if ex.ttft is not None and ex.status == 200 and ex.detail in _WHOLE:
+        tokens = usage[1] if usage is not None else ex.chunks
+        if tokens > 1 and elapsed > ex.ttft:
+            m.child(m.time_per_output_token, model, variant, ex.transport).observe(
+                (elapsed - ex.ttft) / (tokens - 1)
+            )
     if ex.variant is not None:
         if rollouts is not None:
             rollouts.observe(ex, elapsed)  # a sample for the canary's judge
