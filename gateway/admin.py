@@ -4,7 +4,8 @@ It is served on a listener of its own (``admin.host``/``admin.port``, loopback b
 the public port: ``POST /admin/pods/NAME/clear`` puts a pod whose GPU reported a fatal XID back in
 service, and the pod list maps the fleet. With auth on, ``/admin/*`` also wants a key holding the
 ``admin`` right (``Authorization: Bearer KEY`` or ``x-api-key``). ``/metrics`` asks for no key:
-Prometheus scrapes without one, and the listener is reachable only where it is bound.
+Prometheus scrapes without one, and the listener is reachable only where it is bound. Nor does
+``/admin/status``, the HTML status page: it holds no data, and fetches it with the operator's key.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from typing import Any, Protocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.errors import GatewayError, error_body
 from gateway.metrics import GatewayMetrics
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
+from gateway.status_page import HEADERS as STATUS_HEADERS
+from gateway.status_page import PAGE as STATUS_PAGE
 
 ADMIN_RIGHT = "admin"
 
@@ -87,6 +90,7 @@ class AdminPlane:
         self.app = Starlette(
             routes=[
                 Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/admin/status", self.status_page, methods=["GET"]),
                 Route("/admin/pods", self.admin_pods, methods=["GET"]),
                 Route("/admin/pods/{name}/clear", self.clear_pod, methods=["POST"]),
                 Route("/admin/rollouts", self.list_rollouts, methods=["GET"]),
@@ -116,6 +120,10 @@ class AdminPlane:
 
     async def prometheus(self, _request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def status_page(self, _request: Request) -> Response:
+        """The status page asks for no key: it is static, and its own data calls carry the key."""
+        return HTMLResponse(STATUS_PAGE, headers=STATUS_HEADERS)
 
     async def admin_pods(self, request: Request) -> Response:
         refused = self.refusal(request)
