@@ -57,6 +57,7 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 	$(BIN)/python -m loadtest.bench_overload --health-delay-ms 1500 --section overload-slow-health $(BENCH_OVERLOAD_ARGS)
 	$(BIN)/python -m loadtest.bench_attacks $(BENCH_ATTACK_ARGS)
 	$(BIN)/python -m loadtest.bench_admission $(BENCH_ADMISSION_ARGS)
+	$(BIN)/python -m loadtest.bench_canary $(BENCH_CANARY_ARGS)
 
 soak: setup  ## a minute of mixed pod faults under load: every request ends cleanly, nothing leaks
 	$(BIN)/python -m loadtest.soak $(SOAK_ARGS)
