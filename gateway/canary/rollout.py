@@ -14,7 +14,7 @@ with): passing the last step below 100 promotes. See docs/canary.md, "The rollou
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -199,6 +199,25 @@ class Rollout:
         """Roll back by hand: the canary's weight goes to 0 at once."""
         self._require("abort", "progressing", "paused")
         return self._roll_back(now, why or "aborted by operator", None)
+
+    def follow(
+        self, state: State, step: int, percent: float, step_started_at: float, event: Event | None
+    ) -> None:
+        """Take on a transition decided elsewhere (another replica, through Redis), with no judging
+        here: a new step (or the same step restarted) starts an empty judge on the decider's clock."""
+        if step != self.step or step_started_at != self.step_started_at:
+            self.step = step
+            self._start_step(step_started_at)
+        self.state = state
+        self.canary_percent = percent
+        if event is not None and (not self.history or self.history[-1] != event):
+            self.history.append(event)
+
+    def rebase(self, samples: Mapping[str, int]) -> None:
+        """Replace the step's judge's samples with these (every replica's, merged): the judge's
+        ``merge`` is exact, so a fresh judge fed the merged state is the judge of all of them."""
+        self._start_step(self.step_started_at)
+        self._judge.merge(samples)
 
     def status(self, now: float | None = None) -> dict[str, Any]:
         """JSON-ready summary for the admin API; ``now`` defaults to the last tick's time."""

@@ -1,20 +1,31 @@
 """The gateway's rollouts: each route's ``Rollout`` fed by finished requests, ticked once a second,
 and its weights swapped into the route phase's ``Router`` when it advances or rolls back.
 
-One process judges alone (issue 12's Redis-shared judge is still to come). Samples: a canary
-route's requests that reached a pod and did not end by the client's choice (a 4xx or a client that
-left says nothing about the variant). A pod under GPU pressure or with a device fault makes its
-samples ``infra``: counted, shown, never held against the canary's code.
+Samples: a canary route's requests that reached a pod and did not end by the client's choice (a 4xx
+or a client that left says nothing about the variant). A pod under GPU pressure or with a device
+fault makes its samples ``infra``: counted, shown, never held against the canary's code.
+
+Alone (no ``quotas.redis_url``) a process judges and decides by itself. With Redis the replicas
+share each rollout (``gateway.canary.shared``): every tick each one flushes its new samples, the one
+holding the decider lease judges the merged samples and writes any change, and every other one
+follows the shared state. With Redis away a replica keeps its step and weights, never advances, and
+rolls back alone only when its own judge fails (written to Redis when it returns). Clocks are wall
+clocks, since a step's start is compared across replicas. See docs/canary.md, "Several replicas".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.canary.rollout import Rollout
+from redis.exceptions import RedisError
+
+from gateway.canary.rollout import Change, Rollout
+from gateway.canary.shared import Shared, SharedRollouts, epoch
 from gateway.config import Config
 from gateway.exchange import Exchange
 from gateway.phases.route import Route
@@ -26,12 +37,23 @@ _BROKEN = frozenset({"upstream_truncated", "upstream_broke_mid_stream", "interna
 ACTIONS = ("pause", "resume", "promote", "abort")
 
 
+@dataclass(slots=True)
+class _Sync:
+    """This replica's bookkeeping for one shared rollout."""
+
+    epoch: str
+    version: int = 0  # the shared state's version this replica is at
+    flushed: dict[str, int] = field(default_factory=dict)  # judge state already in Redis
+    step_key: tuple[int, float] = (0, 0.0)  # the step ``flushed`` belongs to
+    pending: bool = False  # a local change (operator, rollback without Redis) not yet written
+
+
 class Rollouts:
     """Every route with a ``rollout`` plan, and the route phase whose routers it steers."""
 
     def __init__(self, config: Config, route: Route) -> None:
         self.route = route
-        now = time.monotonic()
+        now = time.time()
         self.active: dict[str, Rollout] = {
             model: Rollout(model, rc.rollout, started_at=now, variants=rc.variants)
             for model, rc in config.routes.items()
@@ -39,6 +61,11 @@ class Rollouts:
         }
         for model, rollout in self.active.items():
             self._apply(model, rollout.weights())
+        url = config.quotas.redis_url
+        self.shared = SharedRollouts(url, config.quotas.key_prefix) if url and self.active else None
+        self._sync = {model: _Sync(epoch(config.routes[model])) for model in self.active}
+        self._redis_up = True
+        self._wake = asyncio.Event()
 
     def observe(self, ex: Exchange, elapsed_s: float) -> None:
         """A finished request of a canary route, as a sample for its rollout's judge."""
@@ -58,22 +85,39 @@ class Rollouts:
         rollout.observe(ex.variant, ttft=ttft, itl=itl, stalled=stalled, failed=failed, infra=infra)
 
     async def run(self) -> None:
-        """Judge every rollout once a second; advance or roll back as its plan says."""
+        """Judge every rollout once a second (sooner after an operator's command, to share it)."""
         while True:
-            await asyncio.sleep(TICK_S)
-            now = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+            self._wake.clear()
             for model, rollout in self.active.items():
-                change = rollout.tick(now)
-                if change is not None:
-                    self._changed(model, rollout, change)
+                if self.shared is None:
+                    change = rollout.tick(time.time())
+                    if change is not None:
+                        self._changed(model, rollout, change)
+                    continue
+                try:
+                    async with asyncio.timeout(TICK_S):
+                        await self._tick_shared(model, rollout)
+                    if not self._redis_up:
+                        log.warning("rollouts: Redis is back; sharing rollouts again")
+                    self._redis_up = True
+                except (RedisError, OSError, TimeoutError) as exc:
+                    if self._redis_up:
+                        log.warning("rollouts: Redis unreachable (%s); keeping each step, rollback only", exc)
+                    self._redis_up = False
+                    self._tick_alone(model, rollout)
+                except Exception:  # a bug here must not stop every rollout's tick
+                    log.exception("rollout %s: shared tick failed", model)
 
     def command(self, model: str, action: str, why: str = "operator") -> dict[str, Any] | None:
         """An operator's pause / resume / promote / abort; None for a route with no rollout.
-        ``RolloutError`` when the rollout's state does not allow it (resuming a finished one)."""
+        ``RolloutError`` when the rollout's state does not allow it (resuming a finished one).
+        With Redis, it applies here at once and is written for every replica on the next tick."""
         rollout = self.active.get(model)
         if rollout is None:
             return None
-        now = time.monotonic()
+        now = time.time()
         if action == "pause":
             change = rollout.pause(now, why)
         elif action == "resume":
@@ -83,13 +127,101 @@ class Rollouts:
         else:
             change = rollout.abort(now, why)
         self._changed(model, rollout, change)
+        if self.shared is not None:
+            self._sync[model].pending = True
+            self._wake.set()
         return rollout.status(now)
 
     def status(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
+        now = time.time()
         return [rollout.status(now) for rollout in self.active.values()]
 
-    def _changed(self, model: str, rollout: Rollout, change: Any) -> None:
+    async def _tick_shared(self, model: str, rollout: Rollout) -> None:
+        """Flush, lease, read; then write a pending change, follow a newer state, or decide."""
+        assert self.shared is not None
+        sync = self._sync[model]
+        live = rollout.state in ("progressing", "paused")
+        taken = rollout.judge.to_state()
+        step_key = (rollout.step, rollout.step_started_at)
+        if sync.step_key != step_key:
+            sync.step_key, sync.flushed = step_key, {}
+        delta = {
+            k: v - sync.flushed.get(k, 0) for k, v in taken.items() if live and v != sync.flushed.get(k, 0)
+        }
+        samples_key = self.shared.samples_key(model, sync.epoch, *step_key)
+        synced = await self.shared.sync(model, sync.epoch, samples_key, delta)
+        if (rollout.step, rollout.step_started_at) == step_key and live:
+            # What arrived while the round trip was away stays local until the next flush.
+            later = {k: v - taken[k] for k, v in rollout.judge.to_state().items() if v != taken[k]}
+            sync.flushed = synced.samples
+            rollout.rebase(synced.samples)
+            rollout.judge.merge(later)
+        shared = synced.shared
+        if shared is None:  # the first replica up writes the rollout's start
+            await self._publish(model, rollout, expected=0, event=False)
+        elif sync.pending:
+            await self._publish(model, rollout)
+        elif shared.version != sync.version:
+            self._follow(model, rollout, shared)
+        elif synced.decider and live:
+            change = rollout.tick(time.time())
+            if change is not None:
+                await self._publish(model, rollout, change=change)
+
+    async def _publish(
+        self,
+        model: str,
+        rollout: Rollout,
+        *,
+        expected: int | None = None,
+        change: Change | None = None,
+        event: bool = True,
+    ) -> None:
+        """Write this replica's state for the others (the decider's ``change``, an operator's command
+        or a rollback made without Redis); if another write came first, drop this one and follow."""
+        assert self.shared is not None
+        sync = self._sync[model]
+        last = rollout.history[-1] if rollout.history and event else None
+        status = {"state": rollout.state, "step": rollout.step, "percent": rollout.canary_percent,
+                  "step_started_at": rollout.step_started_at}  # fmt: skip
+        expected = sync.version if expected is None else expected
+        version = await self.shared.commit(model, sync.epoch, expected, status, last)
+        was_pending, sync.pending = sync.pending, False
+        if version:
+            sync.version = version
+            if change is not None:
+                self._changed(model, rollout, change)  # the one decision: logged by its decider only
+            return
+        if change is not None:
+            rollout.history.remove(change.event)  # never made: another replica's write came first
+        elif was_pending:
+            log.warning("rollout %s: another replica's change came first; this one is dropped", model)
+        shared = await self.shared.read(model, sync.epoch)
+        if shared is not None:
+            self._follow(model, rollout, shared)
+
+    def _follow(self, model: str, rollout: Rollout, shared: Shared) -> None:
+        """Take on the shared state, as decided by another replica (or an operator on one)."""
+        self._sync[model].version = shared.version
+        before = (rollout.state, rollout.step, rollout.canary_percent)
+        rollout.follow(shared.state, shared.step, shared.percent, shared.step_started_at, shared.event)
+        self._apply(model, rollout.weights())  # also when this replica's own lost decision changed it
+        if (rollout.state, rollout.step, rollout.canary_percent) != before:
+            what, why = (shared.event.what, shared.event.reason) if shared.event else ("?", "?")
+            log.info("rollout %s follows %s: now %s (%s: %s); weights now %s", model, shared.by,
+                     rollout.state, what, why, rollout.weights())  # fmt: skip
+
+    def _tick_alone(self, model: str, rollout: Rollout) -> None:
+        """Without Redis: no advance (that needs every replica's samples), but a fail rolls back."""
+        now = time.time()
+        if rollout.state not in ("progressing", "paused") or rollout.judge.verdict(now).decision != "fail":
+            return
+        change = rollout.tick(now)
+        if change is not None:
+            self._changed(model, rollout, change)
+            self._sync[model].pending = True
+
+    def _changed(self, model: str, rollout: Rollout, change: Change) -> None:
         self._apply(model, change.weights)
         level = logging.WARNING if rollout.state == "rolled_back" else logging.INFO
         log.log(level, "rollout %s: %s (%s: %s); weights now %s", model, rollout.state, change.what,
