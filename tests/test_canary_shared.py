@@ -51,7 +51,9 @@ def two_gateways(canary_ttft_ms: int, steps: list[float], **plan: Any) -> Iterat
                 "canary": {"pods": {"variant": "canary"}, "weight": 50},
             }, "rollout": {"steps": steps, **plan}}},
         }  # fmt: skip
-        yield [stack.enter_context(GatewayProcess(config)) for _ in range(2)]
+        gws = [stack.enter_context(GatewayProcess(config)) for _ in range(2)]
+        gws[0].redis = redis  # type: ignore[attr-defined]  # for the test that takes it away
+        yield gws
 
 
 def stream(gw: GatewayProcess) -> str:
@@ -112,3 +114,21 @@ def test_replicas_advance_in_step_and_follow_an_operator_on_the_other() -> None:
         assert events(b, "rolled_back")[0]["reason"] == "bad smell"
         assert a.log().count(DECIDED) == 1 and b.log().count(DECIDED) == 0
         assert {stream(b) for _ in range(20)} == {"stable-1"}
+
+
+def test_without_redis_a_replica_keeps_its_step_and_an_abort_is_shared_when_it_returns() -> None:
+    with two_gateways(5, [20, 50, 100], min_hold_s=3600, min_samples=10**6) as (a, b):
+        assert wait_for(lambda: "Redis unreachable" not in a.log() and rollout(b)["state"] == "progressing")
+        redis = a.redis  # type: ignore[attr-defined]
+        redis.pause()
+        try:
+            assert wait_for(lambda: "Redis unreachable" in a.log() and "Redis unreachable" in b.log())
+            aborted = httpx.post(a.admin_url + "/admin/rollouts/llama-8b/abort?why=alone").json()
+            assert aborted["state"] == "rolled_back"  # applied where it was asked, at once
+            assert {stream(a) for _ in range(10)} == {"stable-1"}
+            assert rollout(b)["state"] == "progressing" and rollout(b)["weights"]["canary"] == 20
+        finally:
+            redis.resume()
+        assert wait_for(lambda: rollout(b)["state"] == "rolled_back", timeout_s=5)
+        assert events(b, "rolled_back")[0]["reason"] == "alone"
+        assert a.log().count(DECIDED) == 1 and b.log().count(DECIDED) == 0

@@ -158,7 +158,7 @@ class Rollouts:
             rollout.judge.merge(later)
         shared = synced.shared
         if shared is None:  # the first replica up writes the rollout's start
-            await self._publish(model, rollout, expected=0, event=False)
+            await self._publish(model, rollout, expected=0, event=sync.pending)
         elif sync.pending:
             await self._publish(model, rollout)
         elif shared.version != sync.version:
