@@ -39,6 +39,7 @@ from transports.client_socket import client_socket
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
 
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+_POD_ERROR_EVENT = b'data: {"error"'  # vLLM's in-stream error event (../shared/wire/vllm-midstream-error.txt)
 
 Connect = Callable[[Exchange, InferenceRequest, Pod, list[tuple[bytes, bytes]]], Awaitable[PodResponse]]
 
@@ -139,6 +140,10 @@ class StreamRelay:
             if recorder is None and not sse.ends_event(resp.last):
                 event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
             await send({"type": "http.response.body", "body": event, "more_body": True})
+        elif _POD_ERROR_EVENT in resp.last or _POD_ERROR_EVENT in resp.previous:
+            # whole by its framing, but the pod ended it with an error event of its own (vLLM's
+            # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
+            ex.detail = "upstream_error_event"
         self._record_usage(ex, resp, recorder, tap)
         ex.watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})

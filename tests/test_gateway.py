@@ -325,6 +325,10 @@ def test_the_access_log_can_be_json_lines(fleet: Fleet) -> None:
         assert ok.status_code == 200
         httpx.post(gw.url + "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user"}]},
                    headers={"x-request-id": "json-2"}, timeout=30)  # fmt: skip
+        fault = {"x-request-id": "json-3", "x-podsim-fault": "error_after=2"}
+        broken = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
+                            headers=fault)  # fmt: skip
+        assert broken.status_code == 200 and '"error"' in broken.text  # the pod's own event, passed on
         gw.stop()
         lines = [line.split("sluicegate.access: ", 1)[1] for line in gw.log().splitlines()
                  if "sluicegate.access: " in line]  # fmt: skip
@@ -334,3 +338,5 @@ def test_the_access_log_can_be_json_lines(fleet: Fleet) -> None:
     assert good["ttft_ms"] > 0 and good["chunks"] > 0 and good["completion_tokens"] is None  # not asked
     assert good["mig_slice"] is None  # this pod was configured without one
     assert (missing["status"], missing["outcome"], missing["pod"]) == (404, "model_not_found", None)
+    # whole by its framing, but ended by the pod's error event: not an "ok"
+    assert (records["json-3"]["status"], records["json-3"]["outcome"]) == (200, "upstream_error_event")

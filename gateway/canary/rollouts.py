@@ -33,7 +33,9 @@ from gateway.phases.route import Route
 log = logging.getLogger("sluicegate.rollout")
 
 TICK_S = 1.0
-_BROKEN = frozenset({"upstream_truncated", "upstream_broke_mid_stream", "internal_error"})
+_BROKEN = frozenset(
+    {"upstream_truncated", "upstream_broke_mid_stream", "upstream_error_event", "internal_error"}
+)
 ACTIONS = ("pause", "resume", "promote", "abort")
 
 
