@@ -143,6 +143,15 @@ class Exchange:
             self.detail = f"timeout_{stage}"
         return timed_out(stage, seconds)
 
+    def time_per_output_token(self, elapsed_s: float) -> float | None:
+        """(duration - TTFT) / (output tokens - 1), OpenTelemetry's per-request inter-token latency;
+        output tokens from the pods' usage, else the reads relayed (an approximation). None when
+        the request had no first token or fewer than two tokens."""
+        if self.ttft is None or elapsed_s <= self.ttft:
+            return None
+        tokens = self.usage[1] if self.usage is not None else self.chunks
+        return (elapsed_s - self.ttft) / (tokens - 1) if tokens > 1 else None
+
     def count_tokens(self, metrics: GatewayMetrics, usage: Any) -> None:
         """Add the answer's usage object (when it has one) to the token counters."""
         if not isinstance(usage, dict):

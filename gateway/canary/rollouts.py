@@ -77,11 +77,9 @@ class Rollouts:
         stalled = ex.detail == "timeout_stall"
         failed = not stalled and (ex.status >= 500 or ex.detail in _BROKEN)
         ttft = itl = None
-        if ex.ttft is not None and not failed:
+        if not failed:
             ttft = ex.ttft
-            tokens = ex.usage[1] if ex.usage is not None else ex.chunks
-            if tokens > 1 and elapsed_s > ex.ttft:
-                itl = (elapsed_s - ex.ttft) / (tokens - 1)
+            itl = ex.time_per_output_token(elapsed_s)
         pod = ex.pod
         infra = pod.pressure.open or pod.health.device_fault is not None
         rollout.observe(ex.variant, ttft=ttft, itl=itl, stalled=stalled, failed=failed, infra=infra)

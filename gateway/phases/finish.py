@@ -37,12 +37,10 @@ def finish(
     if usage is not None:
         m.child(m.variant_tokens, model, variant, "prompt").inc(usage[0])
         m.child(m.variant_tokens, model, variant, "completion").inc(usage[1])
-    if ex.ttft is not None and ex.status == 200 and ex.detail in _WHOLE:
-        tokens = usage[1] if usage is not None else ex.chunks
-        if tokens > 1 and elapsed > ex.ttft:
-            m.child(m.time_per_output_token, model, variant, ex.transport).observe(
-                (elapsed - ex.ttft) / (tokens - 1)
-            )
+    if ex.status == 200 and ex.detail in _WHOLE:
+        itl = ex.time_per_output_token(elapsed)
+        if itl is not None:
+            m.child(m.time_per_output_token, model, variant, ex.transport).observe(itl)
     if ex.variant is not None:
         if rollouts is not None:
             rollouts.observe(ex, elapsed)  # a sample for the canary's judge
