@@ -8,7 +8,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from gateway.config import Config, ConfigError, load_config, parse_config, with_overrides
+from gateway.config import Config, ConfigError
+from gateway.config_load import load_config, parse_config, with_overrides
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.yaml"
 CONFIG_REFERENCE = "docs/configuration.md"

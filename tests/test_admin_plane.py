@@ -21,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import parse_config
+from gateway.config_load import parse_config
 from gateway.server import build_server
 from loadtest.procs import GatewayProcess
 from tests.conftest import Fleet

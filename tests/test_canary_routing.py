@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.canary.routing import Router, cohort_key, routers
-from gateway.config import ConfigError, RouteConfig, parse_config
+from gateway.config import ConfigError, RouteConfig
+from gateway.config_load import parse_config
 
 CALLERS = [f"caller-{i}" for i in range(20_000)]
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config, parse_config, with_overrides
+from gateway.config import ConfigError
+from gateway.config_load import load_config, parse_config, with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import tests.fuzz_strategies  # noqa: F401  (the Hypothesis profiles)
-from gateway.config import Config, ConfigError, load_config, parse_config
+from gateway.config import Config, ConfigError
+from gateway.config_load import load_config, parse_config
 
 yaml_scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(), st.text(max_size=16),

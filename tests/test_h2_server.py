@@ -32,7 +32,8 @@ import pytest
 import uvicorn
 import yaml
 
-from gateway.config import ConfigError, parse_config, with_overrides
+from gateway.config import ConfigError
+from gateway.config_load import parse_config, with_overrides
 from gateway.server import ExtraListeners, Server, alt_svc, build_server, extra_listeners
 from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
 from tests.conftest import Fleet, tls_config, wait_for

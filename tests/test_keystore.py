@@ -16,7 +16,8 @@ import yaml
 
 from gateway.auth import load_key_store
 from gateway.auth.keystore import KeyStore, KeyStoreError, hash_key, new_key, write_file
-from gateway.config import ConfigError, QuotaConfig, parse_config
+from gateway.config import ConfigError, QuotaConfig
+from gateway.config_load import parse_config
 
 TIERS = ("gold", "free")
 

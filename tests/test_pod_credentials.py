@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import ConfigError, PodConfig, PodCredentials, parse_config
+from gateway.config import ConfigError, PodConfig, PodCredentials
+from gateway.config_load import parse_config
 from gateway.pods import credentials as creds
 from gateway.pods.credentials import ApiKey, PodAccess
 from gateway.pods.dns import DnsDiscovery

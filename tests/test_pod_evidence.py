@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from gateway.config import HealthConfig, PodConfig, parse_config
+from gateway.config import HealthConfig, PodConfig
+from gateway.config_load import parse_config
 from gateway.metrics import GatewayMetrics
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.prober import ProbeResult

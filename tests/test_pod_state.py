@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway.config import HealthConfig, PodConfig, parse_config
+from gateway.config import HealthConfig, PodConfig
+from gateway.config_load import parse_config
 from gateway.pods.registry import PodRegistry
 from gateway.pods.state import DEGRADED, HALF_OPEN, HEALTHY, OPEN, UNHEALTHY, HealthState
 

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gateway.config import ConfigError, parse_config
+from gateway.config import ConfigError
+from gateway.config_load import parse_config
 from gateway.pods.credentials import PodAccess
 from gateway.pods.prober import probe_get
 from loadtest.podsim.launch import PodsimProcess

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from gateway.app import Gateway
-from gateway.config import parse_config
+from gateway.config_load import parse_config
 from gateway.server import Server
 from tests.conftest import Fleet, pod_aborts, wait_for
 

@@ -28,7 +28,8 @@ from gateway.auth.keystore import (
     read_file,
     write_file,
 )
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError
+from gateway.config_load import load_config
 
 DEFAULT_FILE = "keys.yaml"  # auth.keys_file's default
 
