@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.canary import canary_config, canary_pods
 from tests.conftest import wait_for
 
 _users = itertools.count()
@@ -24,23 +24,9 @@ _users = itertools.count()
 
 @contextmanager
 def rollout_gateway(canary_ttft_ms: int, steps: list[float], **plan: Any) -> Iterator[GatewayProcess]:
-    with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]) as stable, \
-            PodsimProcess(["--model", "llama-8b", "--ttft-ms", str(canary_ttft_ms), "--itl-ms", "2"]) as new:
-        config = {
-            "server": {"host": "127.0.0.1", "access_log": False},
-            "pods": [
-                {"name": "stable-1", "url": stable.url, "models": ["llama-8b"],
-                 "labels": {"variant": "stable"}},
-                {"name": "canary-1", "url": new.url, "models": ["llama-8b"],
-                 "labels": {"variant": "canary"}},
-            ],
-            "routes": {"llama-8b": {"sticky": "user", "variants": {
-                "stable": {"pods": {"variant": "stable"}, "weight": 50},
-                "canary": {"pods": {"variant": "canary"}, "weight": 50},
-            }, "rollout": {"steps": steps, **plan}}},
-        }  # fmt: skip
-        with GatewayProcess(config) as gw:
-            yield gw
+    with canary_pods(canary_ttft_ms) as (stable, new), \
+            GatewayProcess(canary_config(stable.url, new.url, {"steps": steps, **plan})) as gw:  # fmt: skip
+        yield gw
 
 
 def stream(gw: GatewayProcess, max_tokens: int = 4) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.canary import canary_config, canary_pods
 from tests.conftest import wait_for
 from tests.redis_server import RedisServer, needs_redis_server
 
@@ -31,26 +31,8 @@ DECIDED = "rollout llama-8b: rolled_back"  # the decider's WARNING line; followe
 def two_gateways(canary_ttft_ms: int, steps: list[float], **plan: Any) -> Iterator[list[GatewayProcess]]:
     with ExitStack() as stack:
         redis = stack.enter_context(RedisServer())
-        stable = stack.enter_context(
-            PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"])
-        )
-        new = stack.enter_context(
-            PodsimProcess(["--model", "llama-8b", "--ttft-ms", str(canary_ttft_ms), "--itl-ms", "2"])
-        )
-        config = {
-            "server": {"host": "127.0.0.1", "access_log": False},
-            "quotas": {"redis_url": redis.url},
-            "pods": [
-                {"name": "stable-1", "url": stable.url, "models": ["llama-8b"],
-                 "labels": {"variant": "stable"}},
-                {"name": "canary-1", "url": new.url, "models": ["llama-8b"],
-                 "labels": {"variant": "canary"}},
-            ],
-            "routes": {"llama-8b": {"sticky": "user", "variants": {
-                "stable": {"pods": {"variant": "stable"}, "weight": 50},
-                "canary": {"pods": {"variant": "canary"}, "weight": 50},
-            }, "rollout": {"steps": steps, **plan}}},
-        }  # fmt: skip
+        stable, new = stack.enter_context(canary_pods(canary_ttft_ms))
+        config = canary_config(stable.url, new.url, {"steps": steps, **plan}, quotas={"redis_url": redis.url})
         gws = [stack.enter_context(GatewayProcess(config)) for _ in range(2)]
         gws[0].redis = redis  # type: ignore[attr-defined]  # for the test that takes it away
         yield gws

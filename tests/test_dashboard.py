@@ -20,8 +20,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
-from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.canary import canary_config, canary_pods
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "config" / "grafana" / "sluicegate.json"
 
@@ -161,23 +161,9 @@ def test_the_dashboard_queries_only_series_a_real_gateway_exports() -> None:
     assert any(
         v["type"] == "datasource" and v["query"] == "prometheus" for v in dashboard["templating"]["list"]
     )
-    with (
-        PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]) as stable,
-        PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]) as new,
-    ):
-        config = {
-            "server": {"host": "127.0.0.1", "access_log": False},
-            "pods": [
-                {"name": "stable-1", "url": stable.url, "models": ["llama-8b"],
-                 "labels": {"variant": "stable"}},
-                {"name": "canary-1", "url": new.url, "models": ["llama-8b"],
-                 "labels": {"variant": "canary"}},
-            ],
-            "routes": {"llama-8b": {"sticky": "user", "variants": {
-                "stable": {"pods": {"variant": "stable"}, "weight": 50},
-                "canary": {"pods": {"variant": "canary"}, "weight": 50},
-            }, "rollout": {"steps": [50, 100], "min_hold_s": 3600, "min_samples": 10**6}}},
-        }  # fmt: skip
+    with canary_pods() as (stable, new):
+        plan = {"steps": [50, 100], "min_hold_s": 3600, "min_samples": 10**6}
+        config = canary_config(stable.url, new.url, plan)
         with GatewayProcess(config) as gw:
             pods = set()
             for user in range(12):

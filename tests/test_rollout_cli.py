@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from gateway.cli import main
-from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.canary import canary_config, canary_pods
 from tests.conftest import wait_for
 from tests.keys import auth_on, key_store
 
@@ -40,24 +40,9 @@ class Gateway:
 def gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Gateway]:
     monkeypatch.delenv("SLUICEGATE_ADMIN_KEY", raising=False)
     keys = key_store(tmp_path / "keys.yaml", {"id": "ops", "rights": ["admin"]}, {"id": "alice"})
-    with (
-        PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]) as stable,
-        PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]) as new,
-    ):
-        config = {
-            "server": {"host": "127.0.0.1", "access_log": False},
-            "auth": auth_on(tmp_path / "keys.yaml"),
-            "pods": [
-                {"name": "stable-1", "url": stable.url, "models": ["llama-8b"],
-                 "labels": {"variant": "stable"}},
-                {"name": "canary-1", "url": new.url, "models": ["llama-8b"],
-                 "labels": {"variant": "canary"}},
-            ],
-            "routes": {"llama-8b": {"sticky": "user", "variants": {
-                "stable": {"pods": {"variant": "stable"}, "weight": 50},
-                "canary": {"pods": {"variant": "canary"}, "weight": 50},
-            }, "rollout": {"steps": [25, 100], "min_hold_s": 3600, "min_samples": 10**6}}},
-        }  # fmt: skip
+    with canary_pods() as (stable, new):
+        plan = {"steps": [25, 100], "min_hold_s": 3600, "min_samples": 10**6}
+        config = canary_config(stable.url, new.url, plan, auth=auth_on(tmp_path / "keys.yaml"))
         with GatewayProcess(config) as gw:
             yield Gateway(gw, keys)
 
