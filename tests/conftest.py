@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -150,3 +151,24 @@ def wait_for(condition, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's headless Chromium driven by Playwright (no browser download), for page tests;
+    skipped, saying why, where either is missing."""
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the python package playwright is not installed (make test installs it)"
+    )
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it when run as root)")
+    with sync_api.sync_playwright() as playwright:
+        try:
+            chromium = playwright.chromium.launch(executable_path=CHROMIUM)
+        except Exception as err:
+            pytest.skip(f"chromium at {CHROMIUM} did not start: {err}")
+        yield chromium
+        chromium.close()

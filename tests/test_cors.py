@@ -12,7 +12,6 @@ reached the pod is read from the pod itself (``GET /podsim/arrivals``), never in
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "m
 MAX_AGE_S = 321
 RATELIMIT = [f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset")
              for unit in ("requests", "tokens")]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 class _Page(BaseHTTPRequestHandler):
@@ -177,22 +175,6 @@ def test_a_cross_origin_text_plain_post_never_reaches_a_pod(
 
 
 # -- a real browser -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="the python package playwright is not installed (make test installs it)"
-    )
-    if CHROMIUM is None:
-        pytest.skip("Debian's chromium is not installed (make test installs it when run as root)")
-    with sync_api.sync_playwright() as playwright:
-        try:
-            chromium = playwright.chromium.launch(executable_path=CHROMIUM)
-        except Exception as err:
-            pytest.skip(f"chromium at {CHROMIUM} did not start: {err}")
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,6 @@ from loadtest.procs import GatewayProcess
 from tests.conftest import GPU, MIG_A, MIG_B, wait_for
 from tests.keys import auth_on, key_store
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 GPU_2 = "GPU-9b1c4d7e-2f3a-4b5c-8d6e-7f8091a2b3c4"
 MIG_C = "MIG-4e5f6a7b-8c9d-5e0f-a1b2-c3d4e5f60718"
 ODD_NAME = '<img src=x onerror="document.title=1">'  # a pod name that must stay text
@@ -90,22 +88,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         }  # fmt: skip
         with GatewayProcess(config) as gateway:
             yield Fleet(gateway, dcgm, keys["ops"], keys["app"])
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="the python package playwright is not installed (make test installs it)"
-    )
-    if CHROMIUM is None:
-        pytest.skip("Debian's chromium is not installed (make test installs it when run as root)")
-    with sync_api.sync_playwright() as playwright:
-        try:
-            chromium = playwright.chromium.launch(executable_path=CHROMIUM)
-        except Exception as err:
-            pytest.skip(f"chromium at {CHROMIUM} did not start: {err}")
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture
