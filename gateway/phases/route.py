@@ -23,18 +23,17 @@ class Route:
 
     def __init__(self, config: Config) -> None:
         self.routers: dict[str, Router] = routers(config.routes)
+        # per route, the header names it reads (its sticky header, its override header), as bytes once
+        self._headers = {model: _header_names(router) for model, router in self.routers.items()}
 
     def choose(self, ex: Exchange, req: InferenceRequest, head: RequestHead) -> InferenceRequest:
         """``req`` as its variant's pods get it; ``ex.variant`` and ``ex.selector`` set."""
         router = self.routers.get(req.model)
         if router is None:
             return req
-        sticky_name = router.header_name
-        override_name = router.override_header
+        sticky_key, override_key = self._headers[req.model]
         sticky = override = None
-        if sticky_name is not None or override_name:
-            sticky_key = sticky_name.lower().encode() if sticky_name is not None else None
-            override_key = override_name.lower().encode() if override_name else None
+        if sticky_key is not None or override_key is not None:
             for name, value in head.headers:
                 if name == sticky_key:
                     sticky = value
@@ -52,3 +51,11 @@ class Route:
             return req
         payload = {**req.payload, "model": choice.model}
         return InferenceRequest(req.route, choice.model, req.stream, encode_body(payload), payload)
+
+
+def _header_names(router: Router) -> tuple[bytes | None, bytes | None]:
+    sticky, override = router.header_name, router.override_header
+    return (
+        sticky.lower().encode() if sticky is not None else None,
+        override.lower().encode() if override else None,
+    )
