@@ -42,6 +42,11 @@ except ImportError:  # pragma: no cover - uvloop is a project dependency on Linu
 # role-only opening chunk) and not `"reasoning_content":...` (preceded by `_`, not a quote).
 TOKEN_PATTERN = re.compile(rb'"(?:content|text)": ?"(?!")')
 DONE_MARKER = b"data: [DONE]"
+# The server's own count, from the usage event (``stream_options.include_usage``).
+USAGE_PATTERN = re.compile(rb'"completion_tokens": ?(\d+)')
+# Response headers worth keeping per request: which pod answered and, if the gateway says, the variant.
+POD_HEADER = b"x-sluicegate-pod"
+VARIANT_HEADER = b"x-sluicegate-variant"
 
 
 def count_tokens(events: bytes) -> int:
@@ -100,11 +105,12 @@ class _Tally:
             self.samples.append(f"{kind}: {detail}")
 
 
-class _Exchange(asyncio.Protocol):
+class StreamProtocol(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one streaming request at a time.
 
     The per-chunk path is ``data_received`` → httptools → ``on_body``: one C parse, one ``rfind``
-    and one regex scan per read.
+    and one regex scan per read, plus one clock read and one list append per read that carried
+    tokens (``marks``: the inter-token latencies of ``sluicegate loadtest``).
     """
 
     def __init__(self) -> None:
@@ -121,6 +127,10 @@ class _Exchange(asyncio.Protocol):
         self.first = 0.0
         self.done = False
         self.pending = b""
+        self.marks: list[float] = []
+        self.usage_tokens: int | None = None
+        self.pod: str | None = None
+        self.variant: str | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -139,6 +149,14 @@ class _Exchange(asyncio.Protocol):
         self._finish(exc or ConnectionError("server closed the connection mid-response"))
 
     # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) in (16, 20):  # cheap filter: len(POD_HEADER), len(VARIANT_HEADER)
+            lowered = name.lower()
+            if lowered == POD_HEADER:
+                self.pod = value.decode("latin-1")
+            elif lowered == VARIANT_HEADER:
+                self.variant = value.decode("latin-1")
+
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
@@ -158,9 +176,15 @@ class _Exchange(asyncio.Protocol):
             self.pending = b""
         found = len(TOKEN_PATTERN.findall(body))
         if found:
+            now = time.perf_counter()
             if not self.tokens:
-                self.first = time.perf_counter()
+                self.first = now
+            self.marks.append(now)
             self.tokens += found
+        if b'"usage"' in body:
+            usage = USAGE_PATTERN.search(body)
+            if usage is not None:
+                self.usage_tokens = int(usage.group(1))
         if DONE_MARKER in body:
             self.done = True
 
@@ -174,6 +198,9 @@ class _Exchange(asyncio.Protocol):
                 waiter.set_result(None)
             else:
                 waiter.set_exception(exc)
+
+
+_Exchange = StreamProtocol  # the older name, which loadtest/bench_admission.py subclasses around
 
 
 class LoadGenerator:
@@ -204,14 +231,14 @@ class LoadGenerator:
         ).encode() + body
         self.tally = _Tally()
 
-    async def _connect(self) -> _Exchange:
+    async def _connect(self) -> StreamProtocol:
         loop = asyncio.get_running_loop()
         _, proto = await asyncio.wait_for(
-            loop.create_connection(_Exchange, self.host, self.port), self.spec.connect_timeout_s
+            loop.create_connection(StreamProtocol, self.host, self.port), self.spec.connect_timeout_s
         )
         return proto
 
-    async def _one_request(self, conn: _Exchange) -> tuple[bool, bool]:
+    async def _one_request(self, conn: StreamProtocol) -> tuple[bool, bool]:
         """Send one request on ``conn`` and record its outcome: (succeeded, connection reusable)."""
         spec, tally = self.spec, self.tally
         conn.reset()
@@ -248,7 +275,7 @@ class LoadGenerator:
             return True, conn.keep_alive
         return False, conn.keep_alive
 
-    async def _stream(self, index: int, conn: _Exchange | None, start: float) -> None:
+    async def _stream(self, index: int, conn: StreamProtocol | None, start: float) -> None:
         spec = self.spec
         if spec.ramp_s > 0 and spec.streams > 1:
             delay = start + spec.ramp_s * index / spec.streams - time.perf_counter()
@@ -284,7 +311,7 @@ class LoadGenerator:
         """Open every connection first (not timed), then start all streams together."""
         spec = self.spec
         opened = await asyncio.gather(*(self._connect() for _ in range(spec.streams)), return_exceptions=True)
-        conns: list[_Exchange | None] = []
+        conns: list[StreamProtocol | None] = []
         for item in opened:
             if isinstance(item, BaseException):
                 self.tally.fail("connect", str(item) or type(item).__name__)
