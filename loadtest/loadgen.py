@@ -8,8 +8,8 @@ keep-alive connection, httptools' C parser for the HTTP/1.1 framing, and tokens 
 byte-level regex over complete SSE events instead of decoding JSON per event.
 
 Time to first token is measured from the moment the request is written to the read that completes
-the first event carrying non-empty ``content`` (chat) or ``text`` (completions): vLLM's opening
-role-only chunk does not count. Each such event counts as one token.
+the first event carrying non-empty ``content`` or ``reasoning_content`` (chat) or ``text``
+(completions): vLLM's opening role-only chunk does not count. Each such event counts as one token.
 
 The summary is printed as one JSON object on stdout; ``loadtest.bench`` consumes it.
 """
@@ -38,9 +38,10 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a project dependency on Linux
     uvloop = None  # type: ignore[assignment]
 
-# One match per SSE event whose delta carries text: `"content":"x` but not `"content":""` (the
-# role-only opening chunk) and not `"reasoning_content":...` (preceded by `_`, not a quote).
-TOKEN_PATTERN = re.compile(rb'"(?:content|text)": ?"(?!")')
+# One match per SSE event whose delta carries text: `"content":"x` (or a reasoning model's
+# `"reasoning_content":"x`, which also counts as output) but not `"content":""` (the role-only
+# opening chunk).
+TOKEN_PATTERN = re.compile(rb'"(?:reasoning_content|content|text)": ?"(?!")')
 DONE_MARKER = b"data: [DONE]"
 # The server's own count, from the usage event (``stream_options.include_usage``).
 USAGE_PATTERN = re.compile(rb'"completion_tokens": ?(\d+)')

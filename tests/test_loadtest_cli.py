@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from loadtest.drive import Driver, Plan, Prompt, Record, arrival_offsets
+from loadtest.loadgen import count_tokens
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess, free_tcp_and_udp_port
 from loadtest.results import summarize
@@ -59,6 +60,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         }
         with GatewayProcess(config) as gateway:
             yield Setup(pod, gateway, f"https://localhost:{port}", cert)
+
+
+def test_tokens_are_content_or_reasoning_events_not_the_role_chunk() -> None:
+    def event(delta: dict[str, str]) -> bytes:
+        return b"data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}).encode() + b"\n\n"
+
+    role = event({"role": "assistant", "content": ""})
+    assert count_tokens(role) == 0
+    assert count_tokens(role + event({"reasoning_content": "hm"}) + event({"content": "Hi"})) == 2
 
 
 def loadtest(*argv: str) -> subprocess.CompletedProcess[str]:
