@@ -16,6 +16,12 @@ from typing import Any
 
 from gateway.admit import encode_body
 from transports import sse
+from transports.pod_client import PodBrokenError
+
+
+class RolledBack(PodBrokenError):
+    """The gateway closed a canary pod's answer because its route's rollout rolled back
+    (``rollout.on_rollback: resume``): a break to continue on stable, not the pod's fault."""
 
 
 def unsupported_reason(route: str, payload: dict[str, Any]) -> str | None:

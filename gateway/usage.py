@@ -8,6 +8,15 @@ The usage event is vLLM's last one before ``data: [DONE]`` (``"choices":[]`` and
 chunks carry no usage key), so finding it costs one ``bytes.find`` per pod read, and only streams
 under a quota pay even that. A client that leaves early is charged for the content events it got
 (``tokens_relayed``), counted with ``bytes.count`` per read: no JSON per token.
+
+Streams under no quota get no tap and cost nothing more per read: their tokens relayed are the
+content events of the head plus the pod reads after it (the pod connection counts those anyway; a
+paced vLLM stream writes one event per token, one read each), or, for a stream that may be resumed,
+the content events of what the recorder already keeps, counted once per pod. When the pod's usage
+never arrives (the client left, a timeout, a broken stream, usage not asked for), the finish phase
+takes those and the prompt's estimate as the request's usage (``relayed_usage``), so the token
+metrics and the access log count every ending. Reads that hold several events (a gateway behind
+on a fast pod) make that figure low; the pod's own usage, whenever it arrives, is exact.
 """
 
 from __future__ import annotations
@@ -18,13 +27,45 @@ from typing import Any
 
 from gateway.admit import InferenceRequest, encode_body
 from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
 from transports import sse
+from transports.pod_client import PodResponse
 
 USAGE_MARK = b'"choices":[],"usage":'  # vLLM's (and podsim's) compact usage chunk
 _NOT_USAGE = b'"choices":[{'  # an event with a choice in it is a token chunk
 _ROLE_ONLY = b'"delta":{"role":"assistant","content":""}'  # chat's opening chunk: no token
 _DONE = b"data: [DONE]"
 _EVENT = b"data: "
+_ERROR_EVENT = b'data: {"error"'
+
+
+def content_events(data: bytes | bytearray) -> int:
+    """The token events in ``data``: events less ``[DONE]``, usage, chat's role-only and error events
+    (vLLM's and podsim's compact JSON), by byte counts, no JSON."""
+    return max(
+        0,
+        data.count(_EVENT) - data.count(_DONE) - data.count(USAGE_MARK) - data.count(_ROLE_ONLY)
+        - data.count(_ERROR_EVENT),
+    )  # fmt: skip
+
+
+def trailing_reads(resp: PodResponse) -> int:
+    """How many of a pod answer's last reads (at most two: usage, ``[DONE]``) hold no token."""
+    if not resp.last or content_events(resp.last):
+        return 0
+    return 1 if not resp.previous or content_events(resp.previous) else 2
+
+
+def relayed_usage(ex: Exchange, metrics: GatewayMetrics) -> None:
+    """A stream that relayed tokens but got no usage from its pods: ``ex.usage`` becomes the prompt's
+    estimate and the content events relayed, counted in the token metrics as the pods' would be."""
+    req = ex.req
+    if ex.usage is not None or ex.ttft is None or req is None or not req.stream or ex.degraded is not None:
+        return
+    ex.usage = (ex.prompt_estimate, ex.tokens_relayed)
+    for kind, value in zip(("prompt", "completion"), ex.usage, strict=True):
+        if value:
+            metrics.tokens.labels(ex.model_label, kind).inc(value)
 
 
 def ask_for_usage(req: InferenceRequest) -> tuple[InferenceRequest, bool]:
