@@ -80,8 +80,10 @@ class AdminPlane:
         lookup: KeyLookup | None,
         clock: Callable[[], float] = time.time,
         rollouts: Any = None,
+        reload: Any = None,
     ) -> None:
         self.registry = registry
+        self.reloader = reload  # gateway.reload.ConfigWatcher
         self.rollouts = rollouts  # gateway.canary.rollouts.Rollouts
         self.monitor = monitor
         self.metrics = metrics
@@ -95,6 +97,7 @@ class AdminPlane:
                 Route("/admin/pods/{name}/clear", self.clear_pod, methods=["POST"]),
                 Route("/admin/rollouts", self.list_rollouts, methods=["GET"]),
                 Route("/admin/rollouts/{model:path}/{action}", self.steer_rollout, methods=["POST"]),
+                Route("/admin/reload", self.reload, methods=["GET", "POST"]),
             ],
             exception_handlers={HTTPException: http_error},
         )
@@ -183,6 +186,27 @@ class AdminPlane:
             body = error_body("No rollout for that model.", "invalid_request_error", "rollout_not_found")
             return Response(body, 404, media_type="application/json")
         return JSONResponse(status)
+
+    async def reload(self, request: Request) -> Response:
+        """POST: read the config file again and apply it, as SIGHUP does; GET: the last reload's outcome."""
+        refused = self.refusal(request)
+        if refused is not None:
+            return refused
+        if self.reloader is None:
+            body = error_body("This gateway cannot reload its config.", "invalid_request_error", "no_reload")
+            return Response(body, 404, media_type="application/json")
+        if request.method == "GET":
+            return JSONResponse({"last": self.reloader.last})
+        outcome = await self.reloader.reload("admin")
+        if outcome["outcome"] == "error":
+            problem = f"The config was refused: {outcome['error']}"
+            body = error_body(problem, "invalid_request_error", "config_invalid")
+            return Response(body, 422, media_type="application/json")
+        if outcome["outcome"] == "none":
+            body = error_body("The gateway runs without a config file: nothing to reload.",
+                              "invalid_request_error", "no_config_file")  # fmt: skip
+            return Response(body, 409, media_type="application/json")
+        return JSONResponse(outcome)
 
 
 async def http_error(_request: Request, exc: Any) -> Response:

@@ -29,6 +29,7 @@ from gateway.config import Config
 from gateway.errors import model_not_found
 from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
 from gateway.grpc_web import GrpcWebEndpoint
+from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import build_quotas
 from gateway.pods.credentials import PodAccess
@@ -38,6 +39,7 @@ from gateway.pods.kubernetes import KubePod, KubernetesDiscovery
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
+from gateway.reload import ConfigSource, ConfigWatcher
 from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
 from transports.upstream import open_session
@@ -62,7 +64,9 @@ class Gateway:
     a ``ConfigError`` before anything listens. ``lookup`` replaces it (tests): a key's record by
     the key as sent."""
 
-    def __init__(self, config: Config, lookup: KeyLookup | None = None) -> None:
+    def __init__(
+        self, config: Config, lookup: KeyLookup | None = None, source: ConfigSource | None = None
+    ) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
         self.registry = PodRegistry(
@@ -86,6 +90,7 @@ class Gateway:
             lambda: len(asyncio.all_tasks()),
             lambda: self._pod_client.open_connections if self._pod_client else 0,
         )
+        self.loop_lag = LoopLag(self.metrics.registry)  # sluicegate_event_loop_lag_seconds
         self.started = time.time()
         self.control = Starlette(
             routes=[
@@ -97,8 +102,12 @@ class Gateway:
             exception_handlers={HTTPException: http_error},
             lifespan=self._lifespan,
         )
+        # SIGHUP, a changed config file, POST /admin/reload (``source``: where the config came from)
+        self.reloader = ConfigWatcher(self, source)
         rollouts = self.relay.rollouts
-        self.admin = AdminPlane(self.registry, self.monitor, self.metrics, lookup, rollouts=rollouts)
+        self.admin = AdminPlane(
+            self.registry, self.monitor, self.metrics, lookup, rollouts=rollouts, reload=self.reloader
+        )
         if self.relay.rollouts.active:
             self.metrics.watch_rollouts(self.relay.rollouts)
 
@@ -140,6 +149,7 @@ class Gateway:
                 discovery_loop(self.registry, discovery, self.metrics), name="discovery"
             ),
             asyncio.create_task(self.monitor.run(), name="pod-monitor"),
+            asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
         ]
         if self.relay.rollouts.active:
             loops.append(asyncio.create_task(self.relay.rollouts.run(), name="rollouts"))
@@ -161,9 +171,11 @@ class Gateway:
                 dns.host, dns.port, models=dns.models, interval_s=dns.interval_s, credentials=dns.credentials
             )
             loops.append(asyncio.create_task(resolver.run(self.discovered), name="dns"))
+        await self.reloader.start()
         try:
             yield
         finally:
+            await self.reloader.close()
             for task in loops:
                 task.cancel()
             for task in loops:

@@ -216,6 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.migagent import add_arguments as add_agent_arguments
 
     add_agent_arguments(agent)
+    from loadtest.loadtest_cli import DESCRIPTION as LOADTEST_DESCRIPTION
+    from loadtest.loadtest_cli import add_arguments as add_loadtest_arguments
+
+    loadtest = _subcommand(
+        commands, "loadtest", "drive streaming load at a gateway: closed/open loop, sweep, JSON out",
+        LOADTEST_DESCRIPTION,
+        _epilog(
+            "sluicegate loadtest http://127.0.0.1:8080 --model llama-8b --concurrency 32 --duration 30",
+            "sluicegate loadtest http://127.0.0.1:8080 --model llama-8b --rate 20 --arrivals poisson "
+            "--duration 60 --goodput ttft_ms=500,tpot_ms=50 --raw requests.jsonl",
+            "sluicegate loadtest http://127.0.0.1:8080 --model llama-8b --rate 1 --sweep 10,20,40,80 "
+            "--duration 20",
+            notes="exit status: 0, 1 when no request succeeded, 2 for bad flags (docs/load-testing.md)",
+        ),
+    )
+    add_loadtest_arguments(loadtest)
     for sub in (podsim, agent):
         _name_unexplained_flags(sub)
     return parser
@@ -257,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.auth.keys_cli import run as run_keys
 
         return run_keys(args)
+    if args.command == "loadtest":
+        from loadtest.loadtest_cli import run as run_loadtest
+
+        return run_loadtest(args)
     if args.command == "rollout":
         from gateway.rollout_cli import run as run_rollout
 
@@ -275,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.demo import run_demo
 
         return run_demo(config, args.log_level)
-    serve(config, args.log_level)
+    from gateway.reload import ConfigSource
+
+    # SIGHUP and a changed file re-read --config, with the same flags on top (gateway/reload.py)
+    serve(config, args.log_level, ConfigSource(args.config, lambda: resolve_config(args)))
     return 0
 
 

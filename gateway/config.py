@@ -399,6 +399,30 @@ class AdminConfig(_Frozen):
     port: int = Field(default=9090, ge=0, le=65535)
 
 
+class TracingConfig(_Frozen):
+    """OpenTelemetry tracing (``gateway.tracing``): off by default, and then nothing of it is imported."""
+
+    enabled: bool = False
+    endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces URL; None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+        "OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else http://127.0.0.1:4318/v1/traces",
+    )
+    service_name: str = Field(default="sluicegate", min_length=1)
+    sample_ratio: float = Field(default=1.0, ge=0, le=1, description="of traces the gateway starts")
+    headers: dict[str, str] = Field(default_factory=dict, description="sent with every export (auth)")
+    export_timeout_s: float = Field(default=10.0, gt=0, le=60)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be an http:// or https:// URL, e.g. http://otel-collector:4318/v1/traces")
+        return value
+
+
 class AffinityConfig(_Frozen):
     """Send requests that share a key to the same pod (its prefix cache stays warm), while it is fit.
 
@@ -561,6 +585,14 @@ class DiscoveryConfig(_Frozen):
         return self.kubernetes is not None or self.dns is not None
 
 
+class ReloadConfig(_Frozen):
+    """Config reload (``gateway.reload``): SIGHUP always re-reads the file; ``watch`` also re-reads it
+    when it changes (a Kubernetes ConfigMap's update included)."""
+
+    watch: bool = Field(default=True, description="poll the config file and reload when it changes")
+    interval_s: float = Field(default=1.0, gt=0, description="how often the file is checked")
+
+
 # Variant names end up in metric labels, log lines and the override header: keep them plain.
 _VARIANT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 MAX_VARIANTS = 8  # one 64-byte blake2b digest gives each variant its own 64-bit hash
@@ -612,6 +644,17 @@ class RolloutConfig(_Frozen):
         return steps
 
 
+class ShadowConfig(_Frozen):
+    """Copies of a share of a route's requests for one variant, answers discarded (``canary/shadow.py``)."""
+
+    variant: str = Field(default="canary", description="the variant that gets the copies")
+    percent: float = Field(
+        default=100.0, ge=0, le=100, allow_inf_nan=False,
+        description="share of the requests some other variant serves that are mirrored",
+    )
+    max_in_flight: int = Field(default=32, ge=1, description="shadows at once per route; beyond: skipped")
+
+
 class RouteConfig(_Frozen):
     """A public model name split into variants, with sticky cohorts (``gateway.canary.routing``).
 
@@ -627,6 +670,7 @@ class RouteConfig(_Frozen):
     override_header: str = Field(default="x-sluicegate-variant", pattern=r"^[a-z0-9-]+$")
     conversation_messages: int = Field(default=2, ge=1, le=64, description="sticky: conversation")
     rollout: RolloutConfig | None = None
+    shadow: ShadowConfig | None = None
 
     @field_validator("variants")
     @classmethod
@@ -664,6 +708,18 @@ class RouteConfig(_Frozen):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _shadow_variant(self) -> RouteConfig:
+        # Copies come only from requests another variant serves: the route needs one besides it.
+        if self.shadow is not None:
+            name = self.shadow.variant
+            if name not in self.variants or len(self.variants) < 2:
+                raise ValueError(
+                    f"shadow.variant {name!r} must be one of this route's variants, with another one to "
+                    f"serve the requests it copies; this route has: {', '.join(self.variants)}"
+                )
+        return self
+
 
 class Config(_Frozen):
     server: ServerConfig = ServerConfig()
@@ -679,9 +735,11 @@ class Config(_Frozen):
     auth: AuthConfig = AuthConfig()
     quotas: QuotasConfig = QuotasConfig()
     admin: AdminConfig = AdminConfig()
+    tracing: TracingConfig = TracingConfig()
     tier_header: str = Field(default="x-sluicegate-tier", pattern=r"^[a-z0-9-]+$")
     pods: tuple[PodConfig, ...] = ()
     routes: dict[str, RouteConfig] = Field(default_factory=dict, description="public model -> variants")
+    reload: ReloadConfig = ReloadConfig()
 
     @field_validator("pods", mode="wrap")
     @classmethod

@@ -57,6 +57,8 @@ class Exchange:
         "route",
         "selector",
         "send",
+        "shadow",
+        "span",
         "started",
         "status",
         "t0",
@@ -110,6 +112,8 @@ class Exchange:
         self.variant: str | None = None  # the canary route's variant (stable, canary, ...)
         self.public_model = ""  # the model the client named (a canary variant may rename it)
         self.selector: Any = None  # that variant's pods (a PodSelector), for every pick of the request
+        self.shadow: asyncio.Task[None] | None = None  # the request's shadow copy (gateway.canary.shadow)
+        self.span: Any = None  # gateway.tracing RequestSpan, only with tracing on
 
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget

@@ -99,6 +99,14 @@ class GatewayMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.rollback_resumed_streams = Counter(
+            "sluicegate_rollback_resumed_streams_total",
+            "Canary streams in flight when their route's rollout rolled back with on_rollback: resume, "
+            "by outcome (resumed: continued on stable; failed: no stable pod could; finished: stayed "
+            "on the canary, since resume is off for it, refuses it or it had no first token yet).",
+            ["model", "outcome"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "sluicegate_client_disconnects_total",
             "Clients that went away before their answer was complete.",
@@ -132,6 +140,28 @@ class GatewayMetrics:
             "Tokens the pods reported per request, by kind (prompt, completion) and the canary route's "
             "variant ('none' outside canary routes).",
             ["model", "variant", "kind"],
+            registry=registry,
+        )
+        # shadow traffic (gateway/canary/shadow.py): copies to a canary whose answers nobody reads
+        self.shadow_requests = Counter(
+            "sluicegate_shadow_requests_total",
+            "Shadow copies of canary-route requests, by the shadow variant's upstream model, variant and "
+            "outcome (ok, error, timeout, client_gone, skipped).",
+            ["model", "variant", "outcome"],
+            registry=registry,
+        )
+        self.shadow_time_to_first_token = Histogram(
+            "sluicegate_shadow_time_to_first_token_seconds",
+            "Time to first token of shadow copies (streams), from the copy's start.",
+            ["model", "variant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.shadow_duration = Histogram(
+            "sluicegate_shadow_duration_seconds",
+            "Whole time of shadow copies that ended ok, from the copy's start to the answer's last byte.",
+            ["model", "variant"],
+            buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
         self.stream_chunks = Counter(
@@ -248,6 +278,19 @@ class GatewayMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1),
             registry=registry,
         )
+        # config reloads (gateway/reload.py): SIGHUP, a changed file or POST /admin/reload
+        self.config_reloads = Counter(
+            "sluicegate_config_reloads_total",
+            "Config reloads by outcome (ok: applied or nothing to apply; error: the file was refused).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.config_reloaded = Gauge(
+            "sluicegate_config_last_reload_timestamp_seconds",
+            "When the running config was last loaded (start-up, or the last reload that applied).",
+            registry=registry,
+        )
+        self.config_reloaded.set_to_current_time()
 
     def watch_runtime(self, tasks: Callable[[], int], upstream_connections: Callable[[], int]) -> None:
         """Gauges read at scrape time, so a leak of tasks or pod connections shows on a graph."""

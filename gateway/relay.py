@@ -27,29 +27,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from gateway.admit import ClientGone, InferenceRequest, parse_request, read_body, request_id
+from gateway.canary.rollback import move_streams
 from gateway.canary.rollouts import Rollouts
-from gateway.client_address import ClientAddress
 from gateway.config import Config
 from gateway.cors import CorsPolicy
-from gateway.deadlines import TimeoutPolicy
 from gateway.disconnect_watch import DisconnectWatch
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange, Receive, Scope, Send, transport_of
 from gateway.metrics import GatewayMetrics
-from gateway.phases.attempt import Attempt, upstream_headers
-from gateway.phases.authenticate import Authenticate, KeyLookup
+from gateway.phases.attempt import upstream_headers
+from gateway.phases.authenticate import KeyLookup
 from gateway.phases.finish import finish
-from gateway.phases.limit import Limit
-from gateway.phases.pick import Pick
-from gateway.phases.route import Route
+from gateway.phases.path import RequestPath
 from gateway.pods.registry import PodRegistry
 from gateway.quota import Quotas
-from gateway.request_head import HeadReader, RequestHead
+from gateway.request_head import RequestHead
 from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
 
@@ -81,42 +79,39 @@ class Relay:
         keys: KeyLookup | None = None,
         quotas: Quotas | None = None,
     ) -> None:
-        self.config = config
         self.registry = registry
         self.metrics = metrics
         self.keys = keys
         self.quotas = quotas
+        self._client = client
         # Set by the server when it listens for HTTP/3: answers over TCP advertise it (RFC 7838),
         # e.g. b'h3=":8443"; ma=86400'; b"clear" tells clients to forget an earlier advertisement.
         self.alt_svc: bytes | None = None
-        self.timeouts = TimeoutPolicy(config)
         self.draining = False
         self._active: dict[Exchange, asyncio.Task[Any]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._heads = HeadReader(config)
-        self._cors = CorsPolicy(config.server.cors, extra_headers=(
-            config.tier_header, config.shedding.criticality_header,
-        ))
-        self._clients = ClientAddress(config.server.trusted_proxies)
-        self._log_access = config.server.access_log
-        self._log_json = config.server.access_log_format == "json"
-        self._max_body = config.server.max_body_bytes
-        self.authenticate = Authenticate(config, keys)
-        self.limit = Limit(config, quotas)
-        self.route = Route(config)
-        self.rollouts = Rollouts(config, self.route)
-        self.pick = Pick(config, registry, metrics)
-        self.attempt = Attempt(config, registry, metrics, client, self.pick)
+        self.path = RequestPath.build(config, registry, metrics, client, keys, quotas)
+        self.rollouts = Rollouts(config, self.path.route)
+        self.rollouts.on_rollback = functools.partial(move_streams, self)
         self._watch_keys: asyncio.Task[None] | None = None
+        self.tracer: Any = None  # gateway.tracing.Tracing; imported only when on (restart-only setting)
+        if config.tracing.enabled:
+            from gateway.tracing import start_tracing
+
+            self.tracer = start_tracing(config.tracing)
+
+    @property
+    def config(self) -> Config:
+        return self.path.config
 
     @property
     def hangups(self) -> HangupWatcher | None:
-        return self.attempt.hangups
+        return self.path.attempt.hangups
 
     @hangups.setter
     def hangups(self, watcher: HangupWatcher | None) -> None:
-        self.attempt.hangups = watcher
+        self.path.attempt.hangups = watcher
 
     async def start(self) -> None:
         """Background work of the request path while the app runs: key store reloads, quota leases."""
@@ -134,6 +129,21 @@ class Relay:
             self._watch_keys = None
         if self.quotas is not None:
             await self.quotas.close()
+        if self.tracer is not None:
+            await self.tracer.close()  # flushes the spans still queued, within a bound
+        self.path.shadow.close()
+
+    def reconfigure(self, config: Config, quotas: Quotas | None = None) -> None:
+        """Take on a reloaded ``config`` (``gateway.reload``): its request path is built beside the
+        running one and swapped in by one assignment, so each request runs on one config from start
+        to end and those in flight finish on the old one. The rollouts keep the state of every route
+        whose plan is unchanged. ``quotas``: the counters when the reload is the first to set a quota."""
+        self.quotas = quotas if quotas is not None else self.quotas
+        path = RequestPath.build(
+            config, self.registry, self.metrics, self._client, self.keys, self.quotas, previous=self.path
+        )
+        self.rollouts.reconfigure(config, path.route)  # the new routers get each rollout's weights
+        self.path = path
 
     @property
     def in_flight(self) -> int:
@@ -158,16 +168,19 @@ class Relay:
             await self._idle.wait()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        head = self._heads.read(scope["headers"])
+        path = self.path  # one config's phases for the whole request, whatever a reload swaps in
+        head = path.heads.read(scope["headers"])
         ex = Exchange(route, request_id(head.request_id), send, transport_of(scope))
+        if self.tracer is not None:
+            ex.span = self.tracer.start(ex, head, scope)
         if ex.transport != "h3":
             ex.alt_svc = self.alt_svc
         direct = "sluicegate.transport" not in scope  # gRPC-Web answers for its own envelope and CORS
         if direct and head.origin is not None:
-            ex.answer_headers.extend(self._cors.response_headers(head.origin))
-        if self._log_access:
+            ex.answer_headers.extend(path.cors.response_headers(head.origin))
+        if path.log_access:
             peer = scope.get("client")
-            ex.client = self._clients.of(peer[0] if peer else None, head.forwarded_for)
+            ex.client = path.clients.of(peer[0] if peer else None, head.forwarded_for)
         task = asyncio.current_task()
         assert task is not None
         self._active[ex] = task
@@ -183,7 +196,7 @@ class Relay:
                 )
             if scope["method"] != "POST":
                 if scope["method"] == "OPTIONS" and direct:
-                    await self._preflight(ex, head)
+                    await self._preflight(ex, head, path.cors)
                     return
                 raise GatewayError(
                     405,
@@ -192,19 +205,21 @@ class Relay:
                     "method_not_allowed",
                     headers=(("allow", "POST, OPTIONS"),),
                 )
-            ex.caller = caller = self.authenticate.caller(head)
+            ex.caller = caller = path.authenticate.caller(head)
             ex.tier = caller.tier
-            req = await self._admit(ex, receive, head, route, direct)
-            self.authenticate.authorize(caller, req.model)
-            ex.req = req = self.route.choose(ex, req, head)
-            ex.criticality = self.pick.criticality(ex.tier, head)
-            ex.set_budget(self.timeouts.budget(req.model, ex.tier, head.timeout_ms))
-            ex.req = req = await self.limit.admit(ex, req)
-            self.pick.affinity(ex, req, head)
-            pod = self.pick.pod(ex, req)
-            req = self.pick.maybe_degrade(ex, req, pod)
+            req = await self._admit(ex, receive, head, route, direct, path.max_body)
+            path.authenticate.authorize(caller, req.model)
+            ex.req = req = path.route.choose(ex, req, head)
+            ex.criticality = path.pick.criticality(ex.tier, head)
+            ex.set_budget(path.timeouts.budget(req.model, ex.tier, head.timeout_ms))
+            ex.req = req = await path.limit.admit(ex, req)
+            path.pick.affinity(ex, req, head)
+            pod = path.pick.pod(ex, req)
+            if path.shadow.active:  # a canary route with shadow traffic: maybe a copy, on its own task
+                path.shadow.maybe_mirror(ex, req, head.headers)
+            req = path.pick.maybe_degrade(ex, req, pod)
             ex.headers = head.headers
-            await self.attempt.serve(ex, req, pod, receive)
+            await path.attempt.serve(ex, req, pod, receive)
         except GatewayError as err:
             ex.status = err.status
             ex.detail = str(err.code or err.type)
@@ -222,13 +237,15 @@ class Relay:
                 ex.status = 500
                 await _send_error(send, GatewayError(500, "Internal gateway error.", "server_error"), ex)
         finally:
+            if ex.shadow is not None:
+                path.shadow.ended(ex)  # a client that left takes its shadow copy with it
             del self._active[ex]
             if not self._active:
                 self._idle.set()
-            finish(ex, self.metrics, self._log_access, self._log_json, self.rollouts)
+            finish(ex, self.metrics, path.log_access, path.log_json, self.rollouts)
 
     async def _admit(
-        self, ex: Exchange, receive: Receive, head: RequestHead, route: str, direct: bool
+        self, ex: Exchange, receive: Receive, head: RequestHead, route: str, direct: bool, max_body: int
     ) -> InferenceRequest:
         """The request's JSON body, whole, within the size limit and the body deadline."""
         if direct and not _is_json(head.content_type):
@@ -240,7 +257,7 @@ class Relay:
         seconds = self.config.server.limits.body_timeout_s
         try:
             async with asyncio.timeout(seconds):
-                body = await read_body(receive, head.content_length, self._max_body)
+                body = await read_body(receive, head.content_length, max_body)
         except TimeoutError:
             raise GatewayError(
                 408, f"The request body did not arrive within {seconds:g} s.",
@@ -249,7 +266,7 @@ class Relay:
         ex.req = req = parse_request(route, body)
         return req
 
-    async def _preflight(self, ex: Exchange, head: RequestHead) -> None:
+    async def _preflight(self, ex: Exchange, head: RequestHead, cors: CorsPolicy) -> None:
         """A browser asks whether its page may call this route: the CORS policy answers, no pod."""
         method = requested = None
         for name, value in head.headers:
@@ -257,7 +274,7 @@ class Relay:
                 method = value
             elif name == b"access-control-request-headers":
                 requested = value
-        status, headers = self._cors.preflight(head.origin, method, requested)
+        status, headers = cors.preflight(head.origin, method, requested)
         ex.status = status
         ex.detail = "preflight"
         headers = [*headers, (b"content-length", b"0"), (b"x-request-id", ex.rid.encode())]

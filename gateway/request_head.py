@@ -23,6 +23,8 @@ _FIELDS = (
     "tier",
     "timeout_ms",
     "affinity",
+    "traceparent",
+    "tracestate",
 )
 
 
@@ -43,6 +45,8 @@ class RequestHead:
         self.tier: bytes | None = None
         self.timeout_ms: bytes | None = None
         self.affinity: bytes | None = None  # the affinity header's value (affinity key header:NAME)
+        self.traceparent: bytes | None = None  # W3C trace context: read only with tracing on
+        self.tracestate: bytes | None = None
 
 
 class HeadReader:
@@ -63,6 +67,9 @@ class HeadReader:
         affinity = config.affinity
         if affinity is not None and affinity.key.startswith("header:"):
             names[affinity.key.removeprefix("header:").encode()] = "affinity"
+        if config.tracing.enabled:  # off, a caller's traceparent goes on to the pod untouched
+            names[b"traceparent"] = "traceparent"
+            names[b"tracestate"] = "tracestate"
         self._names = names
 
     def read(self, headers: Headers) -> RequestHead:

@@ -34,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.admin import KeyLookup
 from gateway.app import Gateway
 from gateway.config import AdminConfig, Config, ConfigError
+from gateway.reload import ConfigSource
 from gateway.rlimits import raise_open_file_limit
 from transports.h1_limits import GuardedH1Protocol, H1Limits
 from transports.h2_dispatch import CleartextDispatch, TlsDispatch
@@ -266,13 +267,19 @@ def extra_listeners(config: Config) -> ExtraListeners:
     )
 
 
-def build_server(config: Config, log_level: str = "info", lookup: KeyLookup | None = None) -> Server:
+def build_server(
+    config: Config,
+    log_level: str = "info",
+    lookup: KeyLookup | None = None,
+    source: ConfigSource | None = None,
+) -> Server:
     """The server for ``config``; uvicorn's own access log is off (the gateway writes its own).
-    ``lookup`` finds API keys' records for the admin plane (``KeyStore.lookup``; see ``Gateway``).
+    ``lookup`` finds API keys' records for the admin plane (``KeyStore.lookup``; see ``Gateway``);
+    ``source``, where ``config`` came from, for reloads (``gateway.reload``).
 
     Raises ``ConfigError`` when the TLS certificate or key cannot be used."""
     extra = extra_listeners(config)
-    app = Gateway(config, lookup)
+    app = Gateway(config, lookup, source)
     http: Any = functools.partial(GuardedH1Protocol, limits=extra.h1)
     if config.server.h2c:
         http = functools.partial(CleartextDispatch, h2_settings=extra.h2, h1_limits=extra.h1)
@@ -295,10 +302,10 @@ def build_server(config: Config, log_level: str = "info", lookup: KeyLookup | No
     return Server(uv_config, extra)
 
 
-def serve(config: Config, log_level: str = "info") -> None:
+def serve(config: Config, log_level: str = "info", source: ConfigSource | None = None) -> None:
     raise_open_file_limit()
     try:
-        server = build_server(config, log_level)
+        server = build_server(config, log_level, source=source)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

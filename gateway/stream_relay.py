@@ -23,8 +23,10 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import reason
 from gateway.pods.registry import Pod, PodRegistry
+from gateway.quota.estimate import reservation
 from gateway.resume import (
     Recorder,
+    RolledBack,
     Splicer,
     Transcript,
     continuation_body,
@@ -33,7 +35,7 @@ from gateway.resume import (
     unsupported_reason,
 )
 from gateway.retries import Retryable
-from gateway.usage import UsageTap, tokens_of, wants_usage
+from gateway.usage import UsageTap, content_events, tokens_of, trailing_reads, wants_usage
 from transports import sse
 from transports.client_socket import client_socket
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
@@ -114,6 +116,8 @@ class StreamRelay:
         first = recorder.filter(head) if recorder is not None else head
         if tap is not None:
             first = tap.head(first)
+        elif recorder is None:  # tokens relayed, counted by reads from here on (see _pump)
+            ex.tokens_relayed = content_events(first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
         choices = choices_of(req.payload)
         finish = FinishWatch() if choices > 1 else None
@@ -122,31 +126,33 @@ class StreamRelay:
 
         # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
         # continue on another pod when this stream may be resumed
-        while True:
-            err, broke = await self._pump(ex, pod, resp, recorder, choices, finish, tap)
-            if err is None or not broke or recorder is None:
-                break
-            resumed = await self._resume(ex, req, recorder, err, tap)
-            if resumed is None:
-                break
-            err = None
-            pod, resp = resumed
-        if tap is not None:
-            tap.end(resp.previous + resp.last)
-            if tap.held:  # a partial event the pod never finished: as it sent it
-                await send({"type": "http.response.body", "body": tap.flush(), "more_body": True})
-        if err is not None:
-            event = err.sse_event()
-            if recorder is None and not sse.ends_event(resp.last):
-                event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        elif _POD_ERROR_EVENT in resp.last or _POD_ERROR_EVENT in resp.previous:
-            # whole by its framing, but the pod ended it with an error event of its own (vLLM's
-            # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
-            ex.detail = "upstream_error_event"
-        self._record_usage(ex, resp, recorder, tap)
-        ex.watch.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            while True:
+                err, broke = await self._pump(ex, pod, resp, recorder, choices, finish, tap)
+                if err is None or not broke or recorder is None:
+                    break
+                resumed = await self._resume(ex, ex.req or req, recorder, err, tap)  # a rollback renames it
+                if resumed is None:
+                    break
+                err = None
+                pod, resp = resumed
+            if tap is not None:
+                tap.end(resp.previous + resp.last)
+                if tap.held:  # a partial event the pod never finished: as it sent it
+                    await send({"type": "http.response.body", "body": tap.flush(), "more_body": True})
+            if err is not None:
+                event = err.sse_event()
+                if recorder is None and not sse.ends_event(resp.last):
+                    event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            elif _POD_ERROR_EVENT in resp.last or _POD_ERROR_EVENT in resp.previous:
+                # whole by its framing, but the pod ended it with an error event of its own (vLLM's
+                # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
+                ex.detail = "upstream_error_event"
+            ex.watch.finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:  # every ending counts what the pods reported, a client that left after it included
+            self._record_usage(ex, resp, recorder, tap)
 
     def _record_usage(
         self, ex: Exchange, resp: PodResponse, recorder: Recorder | None, tap: UsageTap | None
@@ -185,6 +191,7 @@ class StreamRelay:
         assert ex.budget is not None
         send = ex.send
         stall = StallWatch(resp, ex.budget.stall_s)
+        reads = resp.chunks  # those of the head, already counted
         try:
             async with asyncio.timeout_at(ex.deadline):
                 socket = client_socket(send)
@@ -225,6 +232,9 @@ class StreamRelay:
             self.registry.report_failure(pod, "oversized event")
             ex.detail = "upstream_truncated"
             return upstream_truncated(pod.name, f"sent an oversized event ({reason(exc)})."), True
+        except RolledBack:  # the route's rollout rolled back: continue on stable (canary/rollback.py)
+            ex.detail = "rollback"
+            return upstream_truncated(pod.name, "was rolled back mid-answer."), True
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             self.registry.report_failure(pod, "broke mid-stream")
@@ -235,6 +245,22 @@ class StreamRelay:
             # here, not after the pump returns: a client that leaves cancels it, and what it was
             # sent must still be counted (the access log's chunks, sluicegate_stream_chunks_total)
             ex.chunks += resp.chunks
+            if tap is None:  # tokens relayed on every ending, when no usage tap counts them
+                req = ex.req
+                no_usage = req is not None and not (resp.complete and wants_usage(req.payload))
+                if no_usage and not ex.prompt_estimate:
+                    ex.prompt_estimate = self._prompt_estimate(ex)
+                if recorder is not None:  # what the client got of every pod, counted once
+                    if no_usage:
+                        ex.tokens_relayed = content_events(recorder.sent)
+                else:  # a read is an event (a token) of a paced stream: no per-read work
+                    ex.tokens_relayed += max(0, resp.chunks - reads - trailing_reads(resp))
+
+    def _prompt_estimate(self, ex: Exchange) -> int:
+        """The prompt's tokens as admission would estimate them, for a stream whose pod gives no usage."""
+        req = ex.req
+        assert req is not None
+        return reservation(req.payload, req.route, 0, self.config.quotas.chars_per_token)
 
     def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
         """Count a continuation pod as busy until the request ends."""
@@ -253,6 +279,7 @@ class StreamRelay:
         self, ex: Exchange, req: InferenceRequest, recorder: Recorder, err: GatewayError, tap: UsageTap | None
     ) -> tuple[Pod, PodResponse] | None:
         """Continue the answer on another pod; None (and a counted outcome) when it cannot be."""
+        rollback = ex.detail == "rollback"  # moved to stable by a rollback, not broken
         why = unsupported_reason(req.route, req.payload)
         if why is not None:
             self.metrics.stream_resumes.labels("unsupported").inc()
@@ -307,8 +334,13 @@ class StreamRelay:
             self.metrics.stream_resumes.labels("ok").inc()
             ex.pod = pod
             ex.detail = "resumed"
+            if rollback:
+                ex.detail = "resumed_rollback"
+                self.metrics.rollback_resumed_streams.labels(ex.public_model, "resumed").inc()
             return pod, resp
         self.metrics.stream_resumes.labels("failed").inc()
+        if rollback:
+            self.metrics.rollback_resumed_streams.labels(ex.public_model, "failed").inc()
         err.message += " No other pod could continue the stream."
         return None
 

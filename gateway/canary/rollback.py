@@ -30,7 +30,7 @@ log = logging.getLogger("sluicegate.rollout")
 
 def move_streams(relay: Relay, model: str, canary: str) -> int:
     """Move ``model``'s in-flight ``canary`` streams to stable; returns how many were moved."""
-    router = relay.route.routers.get(model)
+    router = relay.path.route.routers.get(model)
     if router is None:
         return 0
     stable = router.choose(None, override="stable", may_override=True)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,9 @@ class Rollouts:
         self._sync = {model: _Sync(epoch(config.routes[model])) for model in self.active}
         self._redis_up = True
         self._wake = asyncio.Event()
+        # set by the relay: moves a route's in-flight canary streams to stable (on_rollback: resume)
+        self.on_rollback: Callable[[str, str], object] | None = None
+        self._moved: set[Rollout] = set()  # the rollouts whose streams were moved (once each)
 
     def observe(self, ex: Exchange, elapsed_s: float) -> None:
         """A finished request of a canary route, as a sample for its rollout's judge."""
@@ -90,7 +94,9 @@ class Rollouts:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
             self._wake.clear()
-            for model, rollout in self.active.items():
+            for model, rollout in list(self.active.items()):
+                if self.active.get(model) is not rollout:
+                    continue  # stopped or restarted by a config reload meanwhile
                 if self.shared is None:
                     change = rollout.tick(time.time())
                     if change is not None:
@@ -109,6 +115,38 @@ class Rollouts:
                     self._tick_alone(model, rollout)
                 except Exception:  # a bug here must not stop every rollout's tick
                     log.exception("rollout %s: shared tick failed", model)
+
+    def reconfigure(self, config: Config, route: Route) -> None:
+        """Follow a reloaded config, steering ``route`` (the one about to be swapped in) from now on.
+
+        A route whose config is unchanged (the same epoch) keeps its rollout as it is: step, judge
+        evidence, history. One whose config changed restarts at step 0; one no longer planned stops,
+        its weights the config's again. Nothing is awaited, so the swap is whole or not at all."""
+        now = time.time()
+        active: dict[str, Rollout] = {}
+        sync: dict[str, _Sync] = {}
+        for model, rc in config.routes.items():
+            if rc.rollout is None:
+                continue
+            digest = epoch(rc)
+            old = self.active.get(model)
+            if old is not None and self._sync[model].epoch == digest:
+                active[model], sync[model] = old, self._sync[model]
+                continue
+            active[model] = Rollout(model, rc.rollout, started_at=now, variants=rc.variants)
+            sync[model] = _Sync(digest)
+            how = "its route changed: restarted at step 0" if old is not None else "started"
+            log.info("rollout %s: %s by a config reload; weights now %s", model, how, active[model].weights())
+        for model in self.active.keys() - active.keys():
+            log.info("rollout %s: stopped by a config reload (the route has no rollout plan now)", model)
+        for model, rollout in active.items():
+            router = route.routers.get(model)
+            if router is not None:
+                route.routers[model] = router.with_weights(rollout.weights())
+        url = config.quotas.redis_url
+        if self.shared is None and url and active:
+            self.shared = SharedRollouts(url, config.quotas.key_prefix)
+        self.route, self.active, self._sync = route, active, sync
 
     def command(self, model: str, action: str, why: str = "operator") -> dict[str, Any] | None:
         """An operator's pause / resume / promote / abort; None for a route with no rollout.
@@ -206,6 +244,8 @@ class Rollouts:
         before = (rollout.state, rollout.step, rollout.canary_percent)
         rollout.follow(shared.state, shared.step, shared.percent, shared.step_started_at, shared.event)
         self._apply(model, rollout.weights())  # also when this replica's own lost decision changed it
+        if rollout.state == "rolled_back":
+            self._move_streams(model, rollout)  # each replica moves its own streams, once
         if (rollout.state, rollout.step, rollout.canary_percent) != before:
             what, why = (shared.event.what, shared.event.reason) if shared.event else ("?", "?")
             log.info("rollout %s follows %s: now %s (%s: %s); weights now %s", model, shared.by,
@@ -223,9 +263,18 @@ class Rollouts:
 
     def _changed(self, model: str, rollout: Rollout, change: Change) -> None:
         self._apply(model, change.weights)
+        if change.what == "rolled_back":
+            self._move_streams(model, rollout)
         level = logging.WARNING if rollout.state == "rolled_back" else logging.INFO
         log.log(level, "rollout %s: %s (%s: %s); weights now %s", model, rollout.state, change.what,
                 change.reason, change.weights)  # fmt: skip
+
+    def _move_streams(self, model: str, rollout: Rollout) -> None:
+        """``on_rollback: resume``: the canary's streams in flight continue on stable (``rollback.py``)."""
+        if rollout.config.on_rollback != "resume" or self.on_rollback is None or rollout in self._moved:
+            return
+        self._moved.add(rollout)
+        self.on_rollback(model, rollout.canary)
 
     def _apply(self, model: str, weights: dict[str, float]) -> None:
         """Swap in the route's router with these weights: one assignment, streams untouched."""

@@ -126,6 +126,10 @@ class Shadows:
         if task is not None and ex.detail == _CLIENT_GONE and not task.done():
             task.cancel(_CLIENT_GONE)
 
+    def adopt(self, previous: Shadows) -> None:
+        """A reload: the copies the previous config started stay this one's to end at ``close``."""
+        self._tasks = previous._tasks
+
     def close(self) -> None:
         """The gateway stops: every copy still running ends now (uncounted)."""
         for task in list(self._tasks):

@@ -194,13 +194,16 @@ class Attempt:
     async def _connect(
         self, ex: Exchange, req: InferenceRequest, pod: Pod, headers: list[tuple[bytes, bytes]]
     ) -> PodResponse:
+        upstream = upstream_headers(headers, ex.rid, pod)
+        if ex.span is not None:  # tracing on: the pod's traceparent names this attempt's span
+            upstream = ex.span.attempt(ex, pod, upstream)
         try:
             assert ex.budget is not None
             return await self._client().request(
                 pod.host,
                 pod.port,
                 ROUTE_PATHS[req.route],
-                upstream_headers(headers, ex.rid, pod),
+                upstream,
                 req.body,
                 pod.tls,
                 ex.budget.connect_s,

@@ -11,10 +11,12 @@ from typing import Any
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import Limit
+from gateway.usage import relayed_usage
 
 access_log = logging.getLogger("sluicegate.access")
 
-_WHOLE = frozenset(("ok", "resumed"))  # the stream reached its end (a resumed one on a second pod)
+# the stream reached its end (a resumed one on a second pod; on stable after a canary rollback)
+_WHOLE = frozenset(("ok", "resumed", "resumed_rollback"))
 
 
 def finish(
@@ -23,6 +25,8 @@ def finish(
     """Settle the quota, count the request, and write its access-log line (never the key: its id):
     ``key=value`` text, or one JSON object per line (``server.access_log_format: json``)."""
     Limit.settle(ex)
+    if ex.usage is None:  # no usage from the pods: what was relayed (gateway/usage.py)
+        relayed_usage(ex, metrics)
     elapsed = time.perf_counter() - ex.started
     m = metrics
     model = ex.model_label
@@ -47,6 +51,8 @@ def finish(
         m.child(m.variant_requests, model, ex.variant, str(ex.status)).inc()
         if ex.ttft is not None:
             m.child(m.variant_time_to_first_token, model, ex.variant).observe(ex.ttft)
+    if ex.span is not None:  # tracing on: the request's span ends with its outcome
+        ex.span.end(ex)
     if log_access and log_json:
         access_log.info("%s", json.dumps(access_record(ex, elapsed), separators=(",", ":")))
     elif log_access:
