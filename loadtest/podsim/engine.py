@@ -14,6 +14,8 @@ It models what a gateway can observe of vLLM's scheduler, not the maths:
   admission. Decoding runs in global steps, one token per decoding sequence per step, every
   ``itl_ms + itl_per_seq_ms * running`` -- the batch effect. A sequence that joined the batch less
   than half a step ago sits that step out, so its first inter-token gap is about one step too.
+  ``ttft_jitter`` (a log-normal sigma, 0 = none) spreads each prefill around that, drawn from an RNG
+  seeded by ``seed``, so two pods can share a latency distribution without sharing every draw.
 
 Output is delivered through two callbacks on each :class:`Sequence`: ``emit(seq)`` after each
 token but the last, and ``finish(seq)`` with the last one (``seq.generated`` tokens exist then).
@@ -23,6 +25,7 @@ Callbacks may call :meth:`Engine.abort` on their own sequence. The engine needs 
 
 from __future__ import annotations
 
+import random
 import re
 from bisect import bisect_left
 from collections import deque
@@ -97,6 +100,8 @@ class EngineConfig:
     prefill_ms_per_token: float = 0.01
     itl_ms: float = 15.0
     itl_per_seq_ms: float = 0.02
+    ttft_jitter: float = 0.0
+    seed: int | None = None
 
 
 class Histogram:
@@ -222,6 +227,8 @@ class Engine:
         self._prefill_s = config.prefill_ms_per_token / 1000.0
         self._itl_s = config.itl_ms / 1000.0
         self._itl_seq_s = config.itl_per_seq_ms / 1000.0
+        self._jitter = config.ttft_jitter
+        self._rng = random.Random(config.seed)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[Sequence, None] = {}  # admission order, prefilling and decoding
         self._decoding = 0
@@ -345,6 +352,8 @@ class Engine:
                 seq.stats.queue_time.observe(now - seq.arrival)
             delay = self._ttft_s + (seq.prompt_tokens + seq.generated) * self._prefill_s + seq.extra_delay
             seq.extra_delay = 0.0
+            if self._jitter:
+                delay *= self._rng.lognormvariate(0.0, self._jitter)
             seq.handle = self._clock.call_at(now + delay, self._prefill_done, seq)
 
     def _preempt(self, victim: Sequence) -> None:
