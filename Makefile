@@ -58,6 +58,9 @@ bench-deps: setup  # the bench extra (matplotlib, py-spy, ...) and Debian's ngin
 	@command -v nginx >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null 2>&1; } || \
 		echo "bench: nginx could not be installed; its rows will be skipped"
+	@command -v h2load >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client >/dev/null 2>&1; } || \
+		echo "bench: h2load could not be installed; its rows and the scale curve's top levels will be skipped"
 
 bench: bench-deps  ## direct vs gateway vs nginx; installs nginx from Debian when it can
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)

@@ -16,6 +16,13 @@ before and after); TTFT; errors. The curve "breaks" at the first level with erro
 the gateway has core 1 (``loadtest.bench``'s pinning); "core 0 busy" near 100 % means the load side,
 not the gateway, set the pace at that level.
 
+Over HTTP/1.1 every stream holds two of the gateway's descriptors (the client's and the pod's). A
+level that would need more than the gateway's open-file limit (20,000 on the machine the project
+measures on, which not even root may raise) is driven over HTTP/2 instead: Debian's ``h2load``, 100
+streams per connection, so the gateway holds one descriptor per stream plus one per 100. ``h2load``
+reports no time to first token, so such a level has none; its tokens are the gateway's own count
+(``sluicegate_tokens_total``), which counts every ending.
+
     python -m loadtest.bench_scale [--levels 100,500,1000,2000,5000,10000] [--json F] [--write-md F]
     python -m loadtest.bench_scale --levels 20,40 --tokens 4 --itl-ms 100 --ttft-ms 50   # smoke
 """
@@ -28,8 +35,12 @@ import http.client
 import json
 import math
 import os
+import re
 import resource
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -85,6 +96,7 @@ class Level:
 
     streams: int
     pods: int
+    client: str = "loadgen (h1)"
     requests: int = 0
     ok: int = 0
     errors: int = 0
@@ -212,6 +224,80 @@ def start_pods(count: int, streams: int, spec: ScaleSpec, pin: bool) -> list[Pod
     return pods
 
 
+H2_STREAMS_PER_CONN = 100
+TOKENS_METRIC = 'sluicegate_tokens_total{'
+_H2LOAD_REQUESTS = re.compile(
+    r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored"
+)
+_H2LOAD_FINISHED = re.compile(r"finished in ([\d.]+)(m?s)")
+_TIME = r"\s+([\d.]+)(us|ms|s)"
+_H2LOAD_REQUEST_TIME = re.compile(r"time for request:" + _TIME * 3)
+
+
+def needs_h2(streams: int) -> bool:
+    """Whether ``streams`` HTTP/1.1 streams would need more descriptors than the gateway may open."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # the gateway raises its soft limit to this
+    return limit != resource.RLIM_INFINITY and 2 * streams + 512 > limit
+
+
+def scrape_counter(admin_url: str, prefix: str) -> float:
+    """The sum of every series of the counter whose lines start with ``prefix`` in ``/metrics``."""
+    parts = urlsplit(admin_url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+               and 'kind="completion"' in line)  # fmt: skip
+
+
+def _ms(value: str, unit: str) -> float:
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def run_h2load(url: str, streams: int, spec: ScaleSpec, pin: bool) -> dict[str, Any]:
+    """``streams`` concurrent streams over h2c with ``h2load`` (``spec.requests`` each), summarised
+    in ``loadtest.loadgen``'s keys (no TTFT: ``h2load`` times whole requests only)."""
+    if shutil.which("h2load") is None:
+        raise RuntimeError("h2load is not installed (Debian: nghttp2-client); levels above the open-file "
+                           "limit need it")  # fmt: skip
+    body = json.dumps({
+        "model": MODEL, "stream": True, "max_tokens": spec.tokens,
+        "messages": [{"role": "user", "content": "Hold this stream open."}],
+    }).encode()  # fmt: skip
+    conns = math.ceil(streams / H2_STREAMS_PER_CONN)
+    with tempfile.NamedTemporaryFile(suffix=".json") as data:
+        data.write(body)
+        data.flush()
+        argv = [
+            *pin_prefix(LOAD_CORE, pin), "h2load", "-n", str(streams * spec.requests), "-c", str(conns),
+            "-m", str(H2_STREAMS_PER_CONN), "-d", data.name, "-H", "content-type: application/json",
+            "-T", "120", "-N", "120", url,
+        ]  # fmt: skip
+        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = done.stdout
+    counts = _H2LOAD_REQUESTS.search(out)
+    finished = _H2LOAD_FINISHED.search(out)
+    if counts is None or finished is None:
+        raise RuntimeError(f"h2load gave no summary (exit {done.returncode}): {(done.stderr or out)[-500:]}")
+    total, _started, _done, succeeded, _failed, _errored = map(int, counts.groups())
+    wall = _ms(*finished.groups()) / 1000
+    timing = _H2LOAD_REQUEST_TIME.search(out)
+    e2e = {} if timing is None else {"min": _ms(*timing.groups()[0:2]), "max": _ms(*timing.groups()[2:4]),
+                                     "mean": _ms(*timing.groups()[4:6])}  # fmt: skip
+    return {
+        "requests": total, "ok": succeeded, "errors": total - succeeded,
+        "completed_streams": streams if succeeded == total else succeeded // max(1, spec.requests),
+        "wall_s": round(wall, 3), "ttft_ms": {}, "e2e_ms": e2e,
+        "loadgen_cpu_s": {"user": cpu1.ru_utime - cpu0.ru_utime, "sys": cpu1.ru_stime - cpu0.ru_stime},
+        "error_samples": [] if succeeded == total else [out[-300:]],
+    }
+
+
 def _ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> None:
     parts = urlsplit(gateway.url)
     deadline = time.monotonic() + timeout_s
@@ -247,8 +333,16 @@ def run_level(streams: int, spec: ScaleSpec, pin: bool) -> Level:
         pod_pids = [p.pid for p in pods]
         lag0 = scrape_histogram(gateway.admin_url)
         cpu0, pod0 = cpu_ticks(pids), cpu_ticks(pod_pids)
+        url = gateway.url + "/v1/chat/completions"
+        over_h2 = needs_h2(streams)
+        tokens0 = scrape_counter(gateway.admin_url, TOKENS_METRIC) if over_h2 else 0.0
         with RssSampler(gateway.pid) as sampler:
-            load = run_loadgen(gateway.url + "/v1/chat/completions", scenario, pin)
+            if over_h2:
+                level.client = f"h2load (h2c, {H2_STREAMS_PER_CONN} streams a connection)"
+                load = run_h2load(url, streams, spec, pin)
+                load["tokens"] = int(scrape_counter(gateway.admin_url, TOKENS_METRIC) - tokens0)
+            else:
+                load = run_loadgen(url, scenario, pin)
         user, system = cpu_delta_s(cpu0, cpu_ticks(pids))
         pod_user, pod_sys = cpu_delta_s(pod0, cpu_ticks(pod_pids))
         lag1 = scrape_histogram(gateway.admin_url)
@@ -340,20 +434,21 @@ def render(saved: dict[str, Any]) -> str:
         f"{spec.streams_per_pod} streams; {spec.requests} requests a stream, first requests spread over "
         f"{spec.request_s:g} s; total time {saved.get('elapsed_s', 0):.0f} s.",
         "",
-        "| streams | pods | ok / requests | errors | TTFT p50 / p99 ms | gateway CPU-ms per 1k tokens "
-        "| gateway core busy | peak RSS MiB | memory per stream KiB | loop lag p50 / p99 ms | core 0 busy "
-        "| held? |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| streams | client | pods | ok / requests | errors | TTFT p50 / p99 ms "
+        "| gateway CPU-ms per 1k tokens | gateway core busy | peak RSS MiB | memory per stream KiB "
+        "| loop lag p50 / p99 ms | core 0 busy | held? |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for lv in levels:
         if lv.failure:
-            out.append(f"| {lv.streams} | {lv.pods} | — | — | — | — | — | — | — | — | — | no: {lv.failure} |")
+            out.append(f"| {lv.streams} | {lv.client} | {lv.pods} | — | — | — | — | — | — | — | — | — "
+                       f"| no: {lv.failure} |")  # fmt: skip
             continue
         ttft = f"{_f(lv.ttft_ms.get('p50'), 0)} / {_f(lv.ttft_ms.get('p99'), 0)}"
         lag = f"{_f(lv.lag_ms.get('p50'), 1)} / {_f(lv.lag_ms.get('p99'), 1)}"
         rss = None if lv.peak_rss_kib is None else lv.peak_rss_kib / 1024
         out.append(
-            f"| {lv.streams} | {lv.pods} | {lv.ok} / {lv.requests} | {lv.errors} | {ttft} "
+            f"| {lv.streams} | {lv.client} | {lv.pods} | {lv.ok} / {lv.requests} | {lv.errors} | {ttft} "
             f"| {_f(lv.cpu_ms_per_1k_tokens)} | {_f(lv.gateway_core_busy, 0, 100)} % | {_f(rss)} "
             f"| {_f(lv.mem_per_stream_kib)} | {lag} | {_f(lv.core0_busy, 0, 100)} % "
             f"| {'yes' if lv.broke is None else 'no: ' + lv.broke} |"
@@ -441,11 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     if pin:
         os.sched_setaffinity(0, {LOAD_CORE})
     machine = machine_summary(pin)
-    # Each stream holds two sockets in the gateway (client and pod): past soft/2 it runs out of files.
-    fd_note = f"open-files limit {soft} (each stream holds two of the gateway's)"
-    short = [n for n in args.levels if 2 * n + 200 > soft]
-    if short:
-        fd_note += f": {', '.join(map(str, short))} streams may run out of files here, not out of gateway"
+    # Over HTTP/1.1 each stream holds two of the gateway's sockets (client and pod): levels that
+    # would pass the open-files limit are driven over HTTP/2 (h2load) instead.
+    fd_note = f"open-files limit {soft}"
+    over = [n for n in args.levels if needs_h2(n)]
+    if over:
+        fd_note += (f": {', '.join(map(str, over))} streams over h2c with h2load ({H2_STREAMS_PER_CONN} a "
+                    "connection; no TTFT), the rest over HTTP/1.1 with loadtest.loadgen")  # fmt: skip
     levels: list[Level] = []
     started = time.monotonic()
     for streams in args.levels:
