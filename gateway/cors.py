@@ -27,6 +27,7 @@ EXPOSE_HEADERS = (
     "x-ratelimit-reset-tokens",
     "retry-after",
     "x-sluicegate-pod",
+    "x-sluicegate-variant",
     "x-sluicegate-degraded",
 )
 _TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # an HTTP field name (lowercased)

@@ -127,6 +127,8 @@ class Exchange:
             (b"x-request-id", self.rid.encode()),
             (b"x-sluicegate-pod", self.pod.name.encode()),
         ]
+        if self.variant is not None:  # a canary route's variant: load tests and clients break down by it
+            headers.append((b"x-sluicegate-variant", self.variant.encode()))
         if self.alt_svc is not None:
             headers.append((b"alt-svc", self.alt_svc))
         if self.answer_headers:

@@ -54,8 +54,8 @@ METHODS = {"StreamChatCompletion": True, "ChatCompletion": False}  # method → 
 ALLOW_HEADERS = ("content-type", "x-grpc-web", "x-user-agent", "grpc-timeout", "authorization",
                  "x-api-key", "x-request-id", "x-request-timeout-ms")  # fmt: skip
 EXPOSE_HEADERS = (
-    b"grpc-status,grpc-message,grpc-status-details-bin,x-request-id,x-sluicegate-pod,retry-after,"
-    b"x-sluicegate-degraded,x-ratelimit-limit-requests,x-ratelimit-remaining-requests,"
+    b"grpc-status,grpc-message,grpc-status-details-bin,x-request-id,x-sluicegate-pod,x-sluicegate-variant,"
+    b"retry-after,x-sluicegate-degraded,x-ratelimit-limit-requests,x-ratelimit-remaining-requests,"
     b"x-ratelimit-reset-requests,x-ratelimit-limit-tokens,x-ratelimit-remaining-tokens,x-ratelimit-reset-tokens"
 )
 PREFLIGHT_MAX_AGE_S = b"7200"  # Chromium's cap; Firefox allows a day

@@ -32,7 +32,8 @@ log = logging.getLogger("sluicegate.grpc_web")
 
 # Response headers of the relay's that the client sees too.
 _PASSED_BACK = frozenset((
-    b"x-request-id", b"x-sluicegate-pod", b"retry-after", b"x-sluicegate-degraded", b"alt-svc",
+    b"x-request-id", b"x-sluicegate-pod", b"x-sluicegate-variant", b"retry-after", b"x-sluicegate-degraded",
+    b"alt-svc",
     # the caller's quota (OpenAI's names), so a gRPC-Web client can pace itself as an SDK does
     b"x-ratelimit-limit-requests", b"x-ratelimit-remaining-requests", b"x-ratelimit-reset-requests",
     b"x-ratelimit-limit-tokens", b"x-ratelimit-remaining-tokens", b"x-ratelimit-reset-tokens",

@@ -108,7 +108,10 @@ def many_served_by(canary: Canary, model: str, users: list[str], concurrency: in
                 async with gate:
                     resp = await client.post(canary.gateway.url + "/v1/chat/completions", json=body)
                 assert resp.status_code == 200, resp.text
-                return resp.headers["x-sluicegate-pod"]
+                pod = resp.headers["x-sluicegate-pod"]
+                # the answer names its variant too (what load tests break their numbers down by)
+                assert resp.headers["x-sluicegate-variant"] == pod.split("-")[0], (pod, resp.headers)
+                return pod
 
             return await asyncio.gather(*(one(user) for user in users))
 
