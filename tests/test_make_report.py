@@ -118,7 +118,7 @@ def test_every_chart_is_drawn_and_shown_on_the_page(tmp_path: Path) -> None:
     # the JSON-backed sections are written again from the saved files
     for section in ("results", "scale", "goodput"):
         assert f"<!-- bench:{section}:begin -->" in text
-    assert "10000 | 5 | 20000 / 20000" in text  # the scale table's top level
+    assert "10000 | loadgen (h1) | 5 | 20000 / 20000" in text  # the scale table's top level
     assert "no: loop lag p99 140 ms > 100" in text
     assert "**Plan for 1000 streams per gateway core**" in text
 
