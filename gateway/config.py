@@ -8,13 +8,10 @@ path never re-validates anything. Reading a file and wording its problems for th
 from __future__ import annotations
 
 import ipaddress
-import re
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -24,12 +21,11 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from gateway.config_base import Frozen
+from gateway.config_routes import RouteConfig
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-
-class MigIdentity(_Frozen):
+class MigIdentity(Frozen):
     """Which GPU and MIG slice a pod runs on (as NVML and the device plugin name them)."""
 
     gpu_uuid: str | None = Field(default=None, pattern=r"^GPU-", description="the parent GPU")
@@ -44,7 +40,7 @@ class MigIdentity(_Frozen):
         return self
 
 
-class PodCredentials(_Frozen):
+class PodCredentials(Frozen):
     """The gateway's own API key for pods started with vLLM's ``--api-key``: read from an environment
     variable or a file (a mounted Kubernetes Secret), never written in the config itself."""
 
@@ -58,7 +54,7 @@ class PodCredentials(_Frozen):
         return self
 
 
-class PodConfig(_Frozen):
+class PodConfig(Frozen):
     """One inference pod (an OpenAI-compatible server such as vLLM)."""
 
     name: str = Field(min_length=1)
@@ -85,7 +81,7 @@ class PodConfig(_Frozen):
         return value.rstrip("/")
 
 
-class TlsConfig(_Frozen):
+class TlsConfig(Frozen):
     """A TLS listener (HTTP/1.1 and HTTP/2, chosen by ALPN) and, unless disabled, HTTP/3 over QUIC."""
 
     cert: str = Field(min_length=1, description="PEM certificate (chain) file")
@@ -102,7 +98,7 @@ class TlsConfig(_Frozen):
     alt_svc_max_age_s: int = Field(default=86400, ge=1, description="how long clients may remember it")
 
 
-class ClientLimitsConfig(_Frozen):
+class ClientLimitsConfig(Frozen):
     """What one client connection may make the gateway wait for or hold (docs/hardening.md)."""
 
     head_timeout_s: float = Field(default=10.0, gt=0, description="h1 head, h2 first HEADERS: slowloris")
@@ -124,7 +120,7 @@ class ClientLimitsConfig(_Frozen):
     h2_send_stall_s: float = Field(default=30.0, gt=0, description="a chunk waiting for the window/reads")
 
 
-class H3LimitsConfig(_Frozen):
+class H3LimitsConfig(Frozen):
     """What HTTP/3 clients may make the gateway hold (docs/configuration.md, docs/transports.md)."""
 
     max_connections: int = Field(default=2048, ge=1, description="QUIC connections; more: dropped")
@@ -143,7 +139,7 @@ class H3LimitsConfig(_Frozen):
     send_stall_s: float = Field(default=30.0, gt=0, description="no room to send: reset")
 
 
-class CorsConfig(_Frozen):
+class CorsConfig(Frozen):
     """Which web origins may call the OpenAI endpoints from a browser (preflights are answered by the
     gateway itself). Empty: none (same-origin pages and non-browser clients are unaffected)."""
 
@@ -162,7 +158,7 @@ class CorsConfig(_Frozen):
         return values
 
 
-class ServerConfig(_Frozen):
+class ServerConfig(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
@@ -198,7 +194,7 @@ class ServerConfig(_Frozen):
         return values
 
 
-class UpstreamTlsConfig(_Frozen):
+class UpstreamTlsConfig(Frozen):
     """TLS to pods with https:// URLs: whom to trust, and the gateway's client certificate (mTLS)."""
 
     ca_bundle: str | None = Field(default=None, description="PEM CA file; default: the system's trust store")
@@ -213,7 +209,7 @@ class UpstreamTlsConfig(_Frozen):
         return self
 
 
-class UpstreamConfig(_Frozen):
+class UpstreamConfig(Frozen):
     """The one pooled HTTP client the gateway uses to reach pods."""
 
     max_idle_per_pod: int = Field(default=512, ge=0, description="idle keep-alive connections kept per pod")
@@ -230,7 +226,7 @@ class UpstreamConfig(_Frozen):
     tls: UpstreamTlsConfig = UpstreamTlsConfig()
 
 
-class StageOverrides(_Frozen):
+class StageOverrides(Frozen):
     """Per-model or per-tier changes to the timeout stages; unset stages keep the level below."""
 
     connect_s: float | None = Field(default=None, gt=0)
@@ -286,7 +282,7 @@ def _over_total(problems: list[tuple[str, str]]) -> str:
     ) + ": no stage may outlast the whole request"
 
 
-class TimeoutsConfig(_Frozen):
+class TimeoutsConfig(Frozen):
     """The four stages of a request's life, each with its own budget (seconds).
 
     connect: TCP to the pod. first_token: request sent to the first content token (queueing and
@@ -315,7 +311,7 @@ class TimeoutsConfig(_Frozen):
 Criticality = Literal["critical", "standard", "sheddable"]
 
 
-class DegradeConfig(_Frozen):
+class DegradeConfig(Frozen):
     """Serve a tier's streaming requests without streaming while the chosen pod streams slowly.
 
     The client still gets an SSE stream (the whole answer in one content event) and a header saying
@@ -325,7 +321,7 @@ class DegradeConfig(_Frozen):
     inter_token_p95_ms: float = Field(gt=0, description="degrade when the pod's recent p95 gap is over this")
 
 
-class QuotaConfig(_Frozen):
+class QuotaConfig(Frozen):
     """How much one API key may take (a tier's quota applies to each of its keys on its own).
 
     Per clock minute (fixed windows, as Envoy's rate limit service counts): requests, and tokens
@@ -342,7 +338,7 @@ class QuotaConfig(_Frozen):
     )
 
 
-class TierConfig(_Frozen):
+class TierConfig(Frozen):
     """A class of callers (chosen by their API key, or a trusted header when auth is off)."""
 
     api_keys: tuple[str, ...] = Field(default=(), description="removed: keys live in the key store")
@@ -355,7 +351,7 @@ class TierConfig(_Frozen):
     max_choices: int | None = Field(default=None, ge=1, description="default: server.max_choices")
 
 
-class AuthConfig(_Frozen):
+class AuthConfig(Frozen):
     """Who may call: API keys from a key store file (``sluicegate keys``), reloaded when it changes."""
 
     enabled: bool = True
@@ -363,7 +359,7 @@ class AuthConfig(_Frozen):
     reload_interval_s: float = Field(default=1.0, gt=0, description="how often the file is checked")
 
 
-class QuotasConfig(_Frozen):
+class QuotasConfig(Frozen):
     """Where quota counters live: in this process, or in Redis shared by every replica."""
 
     redis_url: str | None = Field(
@@ -391,7 +387,7 @@ class QuotasConfig(_Frozen):
         return value
 
 
-class AdminConfig(_Frozen):
+class AdminConfig(Frozen):
     """The admin plane (``/admin/*``, ``/metrics``): its own listener, never the public port."""
 
     enabled: bool = True
@@ -399,7 +395,7 @@ class AdminConfig(_Frozen):
     port: int = Field(default=9090, ge=0, le=65535)
 
 
-class TracingConfig(_Frozen):
+class TracingConfig(Frozen):
     """OpenTelemetry tracing (``gateway.tracing``): off by default, and then nothing of it is imported."""
 
     enabled: bool = False
@@ -423,7 +419,7 @@ class TracingConfig(_Frozen):
         return value
 
 
-class AffinityConfig(_Frozen):
+class AffinityConfig(Frozen):
     """Send requests that share a key to the same pod (its prefix cache stays warm), while it is fit.
 
     ``key``: ``user`` (the request's ``user`` field), ``header:NAME`` (a request header), or
@@ -439,7 +435,7 @@ class AffinityConfig(_Frozen):
     max_load_factor: float = Field(default=1.5, ge=1.0)
 
 
-class ProbeConfig(_Frozen):
+class ProbeConfig(Frozen):
     """Active ``GET /health`` probes, with hysteresis."""
 
     interval_s: float = Field(default=2.0, gt=0)
@@ -453,7 +449,7 @@ class ProbeConfig(_Frozen):
     )
 
 
-class ScrapeConfig(_Frozen):
+class ScrapeConfig(Frozen):
     """Scrapes of each pod's own ``/metrics`` (vLLM names: KV-cache usage, running, waiting)."""
 
     interval_s: float = Field(default=1.0, gt=0)
@@ -461,7 +457,7 @@ class ScrapeConfig(_Frozen):
     stale_after_s: float = Field(default=5.0, gt=0, description="older data counts as saturated")
 
 
-class PressureConfig(_Frozen):
+class PressureConfig(Frozen):
     """The GPU-pressure breaker: open at the high marks, closed again under the low ones."""
 
     kv_high: float = Field(default=0.92, gt=0, le=1)
@@ -478,7 +474,7 @@ class PressureConfig(_Frozen):
         return self
 
 
-class OutlierConfig(_Frozen):
+class OutlierConfig(Frozen):
     """Envoy-style outlier ejection on consecutive gateway-visible failures."""
 
     consecutive_failures: int = Field(default=5, ge=1)
@@ -487,7 +483,7 @@ class OutlierConfig(_Frozen):
     max_ejection_percent: float = Field(default=50.0, ge=0, le=100)
 
 
-class DeviceHealthConfig(_Frozen):
+class DeviceHealthConfig(Frozen):
     """GPU and MIG-slice health sources besides the pods themselves."""
 
     dcgm_urls: tuple[str, ...] = Field(default=(), description="dcgm-exporter /metrics URLs")
@@ -500,7 +496,7 @@ class DeviceHealthConfig(_Frozen):
     )
 
 
-class HealthConfig(_Frozen):
+class HealthConfig(Frozen):
     panic_threshold_percent: float = Field(
         default=50.0, ge=0, le=100,
         description="Envoy's healthy panic threshold: when probes alone would leave fewer than this share "
@@ -513,7 +509,7 @@ class HealthConfig(_Frozen):
     devices: DeviceHealthConfig = DeviceHealthConfig()
 
 
-class SheddingConfig(_Frozen):
+class SheddingConfig(Frozen):
     """Who is turned away first when pods are saturated."""
 
     criticality_header: str = Field(default="x-sluicegate-criticality", pattern=r"^[a-z0-9-]+$")
@@ -521,7 +517,7 @@ class SheddingConfig(_Frozen):
     retry_after_max_s: int = Field(default=30, ge=1)
 
 
-class RetryConfig(_Frozen):
+class RetryConfig(Frozen):
     """Retries on another pod, only before the first byte reached the client."""
 
     max_attempts: int = Field(default=3, ge=1, description="attempts per request, the first included")
@@ -531,7 +527,7 @@ class RetryConfig(_Frozen):
     backoff_max_s: float = Field(default=0.25, ge=0)
 
 
-class ResumeConfig(_Frozen):
+class ResumeConfig(Frozen):
     """Mid-stream resume on another pod (opt-in per model; "*" for every model)."""
 
     models: tuple[str, ...] = ()
@@ -541,7 +537,7 @@ class ResumeConfig(_Frozen):
         return self.max_per_request > 0 and ("*" in self.models or model in self.models)
 
 
-class KubernetesDiscoveryConfig(_Frozen):
+class KubernetesDiscoveryConfig(Frozen):
     """Pods behind a Service, from its EndpointSlices and the Pods they point at (list+watch)."""
 
     namespace: str = Field(min_length=1)
@@ -553,7 +549,7 @@ class KubernetesDiscoveryConfig(_Frozen):
     credentials: PodCredentials | None = Field(default=None, description="for the pods it finds")
 
 
-class DnsDiscoveryConfig(_Frozen):
+class DnsDiscoveryConfig(Frozen):
     """Pods behind a headless Service's A/AAAA records, re-resolved every ``interval_s``."""
 
     host: str = Field(min_length=1)
@@ -563,7 +559,7 @@ class DnsDiscoveryConfig(_Frozen):
     credentials: PodCredentials | None = Field(default=None, description="for the pods it finds")
 
 
-class DiscoveryConfig(_Frozen):
+class DiscoveryConfig(Frozen):
     """Where pods come from besides ``pods``, and how often they are asked which models they
     serve (``GET /v1/models``)."""
 
@@ -585,7 +581,7 @@ class DiscoveryConfig(_Frozen):
         return self.kubernetes is not None or self.dns is not None
 
 
-class ReloadConfig(_Frozen):
+class ReloadConfig(Frozen):
     """Config reload (``gateway.reload``): SIGHUP always re-reads the file; ``watch`` also re-reads it
     when it changes (a Kubernetes ConfigMap's update included)."""
 
@@ -593,135 +589,7 @@ class ReloadConfig(_Frozen):
     interval_s: float = Field(default=1.0, gt=0, description="how often the file is checked")
 
 
-# Variant names end up in metric labels, log lines and the override header: keep them plain.
-_VARIANT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-MAX_VARIANTS = 8  # one 64-byte blake2b digest gives each variant its own 64-bit hash
-
-
-class VariantConfig(_Frozen):
-    """One version of a route's model: the pods that serve it, the model name they know, its share."""
-
-    pods: dict[str, str] = Field(
-        default_factory=dict,
-        description="pod label selector (all must match); empty: the pods no other variant selects",
-    )
-    model: str | None = Field(default=None, min_length=1, description="upstream model; default: the route's")
-    weight: float = Field(default=0.0, ge=0, allow_inf_nan=False, description="relative share of callers")
-
-
-class RolloutJudgeConfig(_Frozen):
-    """The judge's knobs (``gateway.canary.judge.JudgeConfig``), kept here so config stays data."""
-
-    alpha: float = Field(default=0.01, gt=0, lt=1, description="bound on ever failing a good canary per step")
-    ttft_tolerance: float = Field(default=0.10, ge=0, allow_inf_nan=False)
-    itl_tolerance: float = Field(default=0.10, ge=0, allow_inf_nan=False)
-    rate_tolerance: float = Field(default=0.10, ge=0, allow_inf_nan=False)
-    rate_margin: float = Field(default=0.005, ge=0, allow_inf_nan=False)
-    tau_latency: float = Field(default=0.3, gt=0, allow_inf_nan=False)
-    min_samples_to_fail: int = Field(default=20, ge=2)
-
-
-class RolloutConfig(_Frozen):
-    """A route's rollout plan (``gateway.canary.rollout``): the canary's weight steps, and the hold and
-    sample each step needs before the judge may pass it."""
-
-    steps: tuple[float, ...] = Field(default=(1.0, 5.0, 25.0, 50.0, 100.0), min_length=1)
-    min_hold_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
-    min_samples: int = Field(default=100, ge=1, description="clean streams per variant, per step")
-    canary: str = Field(default="canary", description="the variant under test")
-    judge: RolloutJudgeConfig = RolloutJudgeConfig()
-    on_rollback: Literal["finish", "resume"] = "finish"
-
-    @field_validator("steps")
-    @classmethod
-    def _increasing(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
-        if any(not 0.0 < step <= 100.0 for step in steps):
-            raise ValueError("rollout steps are canary percentages in (0, 100]")
-        if list(steps) != sorted(set(steps)):
-            raise ValueError("rollout steps must be strictly increasing")
-        if steps[0] >= 100.0:
-            raise ValueError("the first rollout step must be below 100: at 100 no stable is left to judge")
-        return steps
-
-
-class ShadowConfig(_Frozen):
-    """Copies of a share of a route's requests for one variant, answers discarded (``canary/shadow.py``)."""
-
-    variant: str = Field(default="canary", description="the variant that gets the copies")
-    percent: float = Field(
-        default=100.0, ge=0, le=100, allow_inf_nan=False,
-        description="share of the requests some other variant serves that are mirrored",
-    )
-    max_in_flight: int = Field(default=32, ge=1, description="shadows at once per route; beyond: skipped")
-
-
-class RouteConfig(_Frozen):
-    """A public model name split into variants, with sticky cohorts (``gateway.canary.routing``).
-
-    The baseline is the variant named ``stable`` (required): naming it, rather than taking the
-    first listed, keeps the baseline from changing when someone reorders the YAML.
-    """
-
-    variants: dict[str, VariantConfig]
-    sticky: str = Field(
-        default="conversation", pattern=r"^(key|user|conversation|header:[a-z0-9-]+)$",
-        description="what keeps a caller on its variant",
-    )
-    override_header: str = Field(default="x-sluicegate-variant", pattern=r"^[a-z0-9-]+$")
-    conversation_messages: int = Field(default=2, ge=1, le=64, description="sticky: conversation")
-    rollout: RolloutConfig | None = None
-    shadow: ShadowConfig | None = None
-
-    @field_validator("variants")
-    @classmethod
-    def _variants(cls, variants: dict[str, VariantConfig]) -> dict[str, VariantConfig]:
-        bad = [name for name in variants if not _VARIANT_NAME.match(name)]
-        if bad:
-            raise ValueError(
-                f"variant name(s) {', '.join(repr(name) for name in bad)} must be lowercase letters, digits "
-                "and '_', starting with a letter, at most 32 characters (they become metric labels)"
-            )
-        if "stable" not in variants:
-            named = ", ".join(variants) or "none"
-            raise ValueError(f"a route needs a variant named 'stable' (the baseline); it has: {named}")
-        if len(variants) > MAX_VARIANTS:
-            raise ValueError(f"a route has at most {MAX_VARIANTS} variants, not {len(variants)}")
-        if not any(variant.weight > 0 for variant in variants.values()):
-            raise ValueError("at least one variant needs a weight above 0, or no caller can be served")
-        rest = [name for name, variant in variants.items() if not variant.pods]
-        if len(rest) > 1:
-            raise ValueError(
-                f"variants {', '.join(rest)} all have empty 'pods'; only one may (it takes the pods that "
-                "no other variant selects)"
-            )
-        return variants
-
-    @model_validator(mode="after")
-    def _rollout_variants(self) -> RouteConfig:
-        # The judge compares two variants; a third would take traffic the plan does not account for.
-        if self.rollout is not None:
-            canary = self.rollout.canary
-            if canary == "stable" or set(self.variants) != {"stable", canary}:
-                raise ValueError(
-                    f"a rollout needs exactly the variants 'stable' and {canary!r} (rollout.canary); "
-                    f"this route has: {', '.join(self.variants)}"
-                )
-        return self
-
-    @model_validator(mode="after")
-    def _shadow_variant(self) -> RouteConfig:
-        # Copies come only from requests another variant serves: the route needs one besides it.
-        if self.shadow is not None:
-            name = self.shadow.variant
-            if name not in self.variants or len(self.variants) < 2:
-                raise ValueError(
-                    f"shadow.variant {name!r} must be one of this route's variants, with another one to "
-                    f"serve the requests it copies; this route has: {', '.join(self.variants)}"
-                )
-        return self
-
-
-class Config(_Frozen):
+class Config(Frozen):
     server: ServerConfig = ServerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from gateway.canary.judge import JudgeConfig
 from gateway.canary.rollout import Change, Rollout, RolloutError
 from gateway.canary.routing import Router
-from gateway.config import RolloutConfig, RolloutJudgeConfig, RouteConfig
+from gateway.config_routes import RolloutConfig, RolloutJudgeConfig, RouteConfig
 
 RATE = 50.0
 # Small gates keep the test fast; the judge's own tests cover the statistics at realistic sizes.

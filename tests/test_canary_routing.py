@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from gateway.canary.routing import Router, cohort_key, routers
-from gateway.config import ConfigError, RouteConfig
+from gateway.config import ConfigError
 from gateway.config_load import parse_config
+from gateway.config_routes import RouteConfig
 
 CALLERS = [f"caller-{i}" for i in range(20_000)]
 

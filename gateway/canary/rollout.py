@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.canary.judge import Judge, JudgeConfig, Verdict
-from gateway.config import RolloutConfig
+from gateway.config_routes import RolloutConfig
 
 State = Literal["progressing", "paused", "promoted", "rolled_back"]
 What = Literal["started", "advanced", "promoted", "rolled_back", "paused", "resumed"]

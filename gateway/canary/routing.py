@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-from gateway.config import RouteConfig
+from gateway.config_routes import RouteConfig
 
 Reason = Literal["sticky", "random", "override", "only"]
 Refusal = Literal["not_permitted", "unknown_variant"]

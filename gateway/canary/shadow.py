@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from gateway.admit import ROUTE_PATHS, InferenceRequest, encode_body
 from gateway.canary.routing import Router
-from gateway.config import Config, RouteConfig
+from gateway.config import Config
+from gateway.config_routes import RouteConfig
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.phases.attempt import upstream_headers
