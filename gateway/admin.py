@@ -41,7 +41,8 @@ class AdminKey(Protocol):
 KeyLookup = Callable[[str], AdminKey | None]
 
 
-def _refusal(error: GatewayError) -> Response:
+def _error(error: GatewayError) -> Response:
+    """Any admin error as OpenAI error JSON, like the public port's."""
     return Response(error.body(), error.status, headers=dict(error.headers), media_type="application/json")
 
 
@@ -111,14 +112,14 @@ class AdminPlane:
             return None
         key = presented_key(request)
         if key is None:
-            return _refusal(_MISSING)
+            return _error(_MISSING)
         record = self.lookup(key)
         if record is None:
-            return _refusal(_UNKNOWN)
+            return _error(_UNKNOWN)
         if record.expired(self.clock()):
-            return _refusal(_EXPIRED)
+            return _error(_EXPIRED)
         if not record.has_right(ADMIN_RIGHT):
-            return _refusal(_NOT_ADMIN)
+            return _error(_NOT_ADMIN)
         return None
 
     async def prometheus(self, _request: Request) -> Response:
@@ -147,11 +148,7 @@ class AdminPlane:
             return refused
         pod = self.registry.get(request.path_params["name"])
         if pod is None:
-            return Response(
-                error_body("No such pod.", "invalid_request_error", "pod_not_found"),
-                404,
-                media_type="application/json",
-            )
+            return _error(GatewayError(404, "No such pod.", code="pod_not_found"))
         self.monitor.clear(pod)
         return JSONResponse(pod.snapshot())
 
@@ -169,22 +166,17 @@ class AdminPlane:
             return refused
         action = request.path_params["action"]
         if action not in ("pause", "resume", "promote", "abort"):
-            body = error_body(
-                f"Unknown action {action!r}: pause, resume, promote or abort.", "invalid_request_error",
-                "unknown_action",
-            )
-            return Response(body, 400, media_type="application/json")
+            problem = f"Unknown action {action!r}: pause, resume, promote or abort."
+            return _error(GatewayError(400, problem, code="unknown_action"))
         why = request.query_params.get("why", "operator")
         status = None
         if self.rollouts is not None:
             try:
                 status = self.rollouts.command(request.path_params["model"], action, why)
             except ValueError as exc:  # RolloutError: not in this state (resume a rolled-back one)
-                body = error_body(str(exc), "invalid_request_error", "rollout_conflict")
-                return Response(body, 409, media_type="application/json")
+                return _error(GatewayError(409, str(exc), code="rollout_conflict"))
         if status is None:
-            body = error_body("No rollout for that model.", "invalid_request_error", "rollout_not_found")
-            return Response(body, 404, media_type="application/json")
+            return _error(GatewayError(404, "No rollout for that model.", code="rollout_not_found"))
         return JSONResponse(status)
 
     async def reload(self, request: Request) -> Response:
@@ -193,19 +185,16 @@ class AdminPlane:
         if refused is not None:
             return refused
         if self.reloader is None:
-            body = error_body("This gateway cannot reload its config.", "invalid_request_error", "no_reload")
-            return Response(body, 404, media_type="application/json")
+            return _error(GatewayError(404, "This gateway cannot reload its config.", code="no_reload"))
         if request.method == "GET":
             return JSONResponse({"last": self.reloader.last})
         outcome = await self.reloader.reload("admin")
         if outcome["outcome"] == "error":
             problem = f"The config was refused: {outcome['error']}"
-            body = error_body(problem, "invalid_request_error", "config_invalid")
-            return Response(body, 422, media_type="application/json")
+            return _error(GatewayError(422, problem, code="config_invalid"))
         if outcome["outcome"] == "none":
-            body = error_body("The gateway runs without a config file: nothing to reload.",
-                              "invalid_request_error", "no_config_file")  # fmt: skip
-            return Response(body, 409, media_type="application/json")
+            problem = "The gateway runs without a config file: nothing to reload."
+            return _error(GatewayError(409, problem, code="no_config_file"))
         return JSONResponse(outcome)
 
 
