@@ -92,6 +92,12 @@ def _plain_log(ax: Any, axis: str = "x") -> None:
     target.set_minor_formatter(NullFormatter())
 
 
+def _save(plt: Any, fig: Any, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def _load(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -125,9 +131,7 @@ def chart_ttft(bench: dict[str, Any], out: Path) -> str:
     axes[0][0].set_ylabel("TTFT ms (log)")
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Time to first token by percentile: direct vs gateway vs nginx", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out)
     return ("TTFT percentiles (p50, p90, p99, max; medians over repeats) for scenarios a-d, straight to "
             "the pod, through the gateway and through nginx: how far apart the lines sit is what each "
             "proxy adds.")
@@ -148,9 +152,7 @@ def chart_ttft_cdf(goodput: dict[str, Any], out: Path) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"TTFT distribution at {rate:g} requests/s (open loop, below saturation)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out)
     return (f"Cumulative distribution of every request's TTFT at {rate:g} requests/s offered, open loop, "
             "direct vs gateway vs nginx (the pod's own TTFT is 50 ms plus its batching).")
 
@@ -181,9 +183,7 @@ def chart_cpu_rss(bench: dict[str, Any], out: Path) -> str:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("What relaying costs the proxy as concurrency grows (scenarios a-d)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out)
     return ("Gateway and nginx CPU per 1,000 relayed tokens (user + system) and peak RSS at 1, 100, 500 and "
             "2,000 concurrent streams (scenarios a-d; d is paced at 200 ms a token, the others at 1-5 ms).")
 
@@ -208,9 +208,7 @@ def chart_goodput(goodput: dict[str, Any], out: Path) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"Goodput against offered load ({goodput['goodput']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out)
     return (f"Requests per second meeting every target ({goodput['goodput']}, TTFT from the schedule) and "
             "all successful requests per second, against the offered open-loop rate, for a pod that "
             "saturates like a GPU (bounded batch, slower tokens per running sequence, a queue beyond).")
@@ -254,9 +252,7 @@ def chart_transports(rows: list[dict[str, Any]], out: Path) -> str:
         ax.grid(True, axis="x", alpha=0.3)
     cpu_ax.set_yticklabels([])
     fig.suptitle("Per transport: what the gateway adds to TTFT, and spends per token", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out)
     return ("Per transport (HTTP/1.1, HTTP/2, HTTP/3, gRPC-Web; cleartext and TLS): the gateway's added TTFT "
             "at one stream and its CPU per 1,000 tokens at 50 streams, from the Transports table.")
 
@@ -292,9 +288,7 @@ def chart_scale(scale: dict[str, Any], out: Path) -> str:
     memory = f"; ~{per_stream[-1]:.0f} KiB a stream at the top level" if per_stream else ""
     fig.suptitle(f"Scale curve: slow streams ({spec['itl_ms']:g} ms a token){memory}; red x: did not hold",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out)
     return ("The scale curve: one gateway process holding 100 to 10,000 slow streams; its peak memory, "
             "CPU per 1,000 tokens, event-loop lag p99 and the clients' TTFT p99 (dotted: the bounds; "
             "red x: a level that did not hold).")
