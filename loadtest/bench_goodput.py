@@ -41,7 +41,7 @@ from loadtest.bench import (
 from loadtest.nginx import NginxProcess, nginx_binary
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from loadtest.report import command_line, publish
+from loadtest.report import command_line, publish, read_saved
 
 SCHEMA = "sluicegate.bench_goodput/1"
 DEFAULT_RATES = (4, 8, 12, 16, 20, 24, 28)
@@ -146,13 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-md", metavar="FILE", help="put the report in FILE's bench:goodput section")
     args = parser.parse_args(argv)
     if args.from_json:
-        try:
-            saved = json.loads(Path(args.from_json).read_text())
-        except (OSError, ValueError) as exc:
-            parser.error(f"--from-json: {exc}")
-        if saved.get("schema") != SCHEMA:
-            parser.error(f"--from-json: {args.from_json} is not a {SCHEMA} file")
-        publish(render(saved), args.write_md, "goodput")
+        publish(render(read_saved(parser, args.from_json, SCHEMA)), args.write_md, "goodput")
         return 0
     try:
         rates = sorted({float(r) for r in args.rates.split(",") if r.strip()})

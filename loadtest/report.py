@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def replace_marked_section(path: Path, begin: str, end: str, section: str) -> None:
@@ -29,3 +32,14 @@ def publish(section: str, write_md: str | None, name: str) -> None:
     if write_md:
         replace_marked_section(Path(write_md), f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->",
                                section)
+
+
+def read_saved(parser: argparse.ArgumentParser, path: str, schema: str) -> dict[str, Any]:
+    """An earlier run's ``--json`` for ``--from-json``; a usage error when unreadable or not ``schema``."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--from-json: {exc}")
+    if saved.get("schema") != schema:
+        parser.error(f"--from-json: {path} is not a {schema} file")
+    return saved
