@@ -182,15 +182,22 @@ def start_gateway(pod_url: str, pin: bool) -> GatewayProcess:
     ``--upstream``), on the proxy core; ready once ``/readyz`` answers 200."""
     gateway = GatewayProcess({"pods": [{"name": "pod", "url": pod_url}]}, cpu=PROXY_CORE if pin else None)
     gateway.start()
-    deadline = time.monotonic() + 15.0
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            if _get_status(gateway.url + "/readyz") == 200:
-                return gateway
-        time.sleep(0.05)
+    if wait_ready(gateway):
+        return gateway
     tail = gateway.log()[-3000:]
     gateway.__exit__(None, None, None)
     raise RuntimeError(f"the gateway never became ready; its log ends with:\n{tail}")
+
+
+def wait_ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> bool:
+    """Whether ``/readyz`` answered 200 (the pods discovered and probed) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            if _get_status(gateway.url + "/readyz") == 200:
+                return True
+        time.sleep(0.05)  # readiness follows the pods' first health round: nothing to await here
+    return False
 
 
 def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
@@ -560,13 +567,17 @@ def check_targets(rows: list[Row]) -> list[str]:
     return lines
 
 
-def machine_summary(pin: bool) -> str:
-    cpu = "unknown CPU"
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo``, or "unknown CPU"."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def machine_summary(pin: bool) -> str:
+    cpu = cpu_model()
     nginx = nginx_binary()
     version = ""
     if nginx:

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +54,7 @@ from loadtest.bench import (
     cpu_ticks,
     process_tree,
     start_pod,
+    wait_ready,
 )
 from loadtest.loadgen import LoadGenerator, LoadSpec, _Exchange
 from loadtest.procs import GatewayProcess
@@ -149,20 +149,6 @@ def gateway_config(
     }
 
 
-def wait_ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> None:
-    """Until ``/readyz`` answers 200 (the pod discovered and probed), as ``make bench`` waits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with (
-            contextlib.suppress(OSError, urllib.error.URLError),
-            urllib.request.urlopen(gateway.url + "/readyz", timeout=2) as resp,
-        ):
-            if resp.status == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"the gateway never became ready; its log ends with:\n{gateway.log()[-3000:]}")
-
-
 def admission_view(admin_url: str) -> dict[str, float]:
     """What the gateway counted: quota decisions by outcome, Redis round trips and their mean."""
     with urllib.request.urlopen(admin_url + "/metrics", timeout=10) as resp:
@@ -214,7 +200,9 @@ def run_config(
         redis_url = redis.url if redis is not None else None
         settings = gateway_config(config, pod.url, keys_file, tokens, redis_url)
         with GatewayProcess(settings, cpu=PROXY_CORE if pin else None) as gateway:
-            wait_ready(gateway)
+            if not wait_ready(gateway):
+                tail = gateway.log()[-3000:]
+                raise RuntimeError(f"the gateway never became ready; its log ends with:\n{tail}")
             url = gateway.url + "/v1/chat/completions"
             callers = [] if config == "off" else keys
             # Three sequential streams, then one 2-token request per stream at once: first-request

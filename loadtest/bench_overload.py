@@ -73,7 +73,7 @@ def gateway_config(pod_url: str) -> dict[str, Any]:
             "pods": [{"name": "pod", "url": pod_url, "models": [MODEL]}]}
 
 
-def _histogram_quantile(samples: list[tuple[float, float]], q: float) -> float | None:
+def bucket_quantile(samples: list[tuple[float, float]], q: float) -> float | None:
     """Prometheus-style quantile from cumulative (upper bound, count) buckets, in the bound's unit."""
     samples = sorted(samples)
     total = samples[-1][1] if samples else 0
@@ -117,8 +117,8 @@ def gateway_view(admin_url: str) -> dict[str, Any]:
             elif s.name == "sluicegate_shed_total" and s.labels.get("reason") == "no_healthy_pod":
                 view["shed_503"] += s.value
     pairs = list(buckets.items())
-    view["probe_p50_ms"] = _ms(_histogram_quantile(pairs, 0.5))
-    view["probe_p99_ms"] = _ms(_histogram_quantile(pairs, 0.99))
+    view["probe_p50_ms"] = _ms(bucket_quantile(pairs, 0.5))
+    view["probe_p99_ms"] = _ms(bucket_quantile(pairs, 0.99))
     view["probe_timeouts"] = timeouts
     view["probes"] = max((c for _, c in pairs), default=0) + timeouts
     return view

@@ -62,11 +62,13 @@ from loadtest.bench import (
     pin_prefix,
     process_tree,
     run_loadgen,
+    wait_ready,
     warm_up,
 )
+from loadtest.bench_overload import bucket_quantile
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from loadtest.report import command_line, publish
+from loadtest.report import command_line, publish, read_saved
 
 SCHEMA = "sluicegate.bench_scale/1"
 DEFAULT_LEVELS = (100, 500, 1000, 2000, 5000, 10000)
@@ -150,15 +152,20 @@ class RssSampler:
         self._thread.join()
 
 
-def scrape_histogram(admin_url: str, name: str = LAG_METRIC) -> dict[float, float]:
-    """Cumulative bucket counts (upper bound -> count) of histogram ``name`` from ``/metrics``."""
+def _metrics_text(admin_url: str) -> str:
+    """The gateway's ``/metrics`` page."""
     parts = urlsplit(admin_url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=10)
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     finally:
         conn.close()
+
+
+def scrape_histogram(admin_url: str, name: str = LAG_METRIC) -> dict[float, float]:
+    """Cumulative bucket counts (upper bound -> count) of histogram ``name`` from ``/metrics``."""
+    text = _metrics_text(admin_url)
     buckets: dict[float, float] = {}
     prefix = f'{name}_bucket{{le="'
     for line in text.splitlines():
@@ -171,20 +178,8 @@ def scrape_histogram(admin_url: str, name: str = LAG_METRIC) -> dict[float, floa
 def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
     """The ``q`` quantile (0-1) of what was observed between two scrapes, interpolated inside its
     bucket as Prometheus' ``histogram_quantile`` does; None when nothing was observed."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    if not counts or counts[-1] <= 0:
-        return None
-    rank = q * counts[-1]
-    low, below = 0.0, 0.0
-    for bound, count in zip(bounds, counts, strict=True):
-        if count >= rank:
-            if math.isinf(bound):
-                return low  # beyond the largest finite bucket: its bound is all that is known
-            inside = count - below
-            return low + (bound - low) * ((rank - below) / inside if inside else 1.0)
-        low, below = bound, count
-    return low
+    observed = sorted((bound, count - before.get(bound, 0.0)) for bound, count in after.items())
+    return bucket_quantile(observed, q) if observed and observed[-1][1] > 0 else None
 
 
 def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, float | None]:
@@ -242,13 +237,7 @@ def needs_h2(streams: int) -> bool:
 
 def scrape_counter(admin_url: str, prefix: str) -> float:
     """The sum of every series of the counter whose lines start with ``prefix`` in ``/metrics``."""
-    parts = urlsplit(admin_url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    text = _metrics_text(admin_url)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
                and 'kind="completion"' in line)  # fmt: skip
 
@@ -298,22 +287,6 @@ def run_h2load(url: str, streams: int, spec: ScaleSpec, pin: bool) -> dict[str, 
     }
 
 
-def _ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> None:
-    parts = urlsplit(gateway.url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, http.client.HTTPException):
-            conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=2)
-            try:
-                conn.request("GET", "/readyz")
-                if conn.getresponse().status == 200:
-                    return
-            finally:
-                conn.close()
-        time.sleep(0.05)  # readiness follows the pods' first health round: nothing to await here
-    raise RuntimeError("the gateway never became ready")
-
-
 def run_level(streams: int, spec: ScaleSpec, pin: bool) -> Level:
     """Fresh pods and a fresh gateway; the ramped load; what the gateway spent and how it held up."""
     level = Level(streams, max(1, math.ceil(streams / spec.streams_per_pod)))
@@ -323,7 +296,8 @@ def run_level(streams: int, spec: ScaleSpec, pin: bool) -> Level:
         pods = start_pods(level.pods, streams, spec, pin)
         config = {"pods": [{"name": f"pod-{i}", "url": p.url, "models": [MODEL]} for i, p in enumerate(pods)]}
         gateway = GatewayProcess(config, cpu=PROXY_CORE if pin else None).start()
-        _ready(gateway)
+        if not wait_ready(gateway):
+            raise RuntimeError("the gateway never became ready")
         warm_up(gateway.url, count=2)  # first-request costs (imports, pools) stay out of the numbers
         scenario = Scenario(
             "scale", f"{streams} slow streams", streams, spec.requests, spec.tokens,
@@ -516,13 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.from_json:
-        try:
-            saved = json.loads(Path(args.from_json).read_text())
-        except (OSError, ValueError) as exc:
-            parser.error(f"--from-json: {exc}")
-        if saved.get("schema") != SCHEMA:
-            parser.error(f"--from-json: {args.from_json} is not a {SCHEMA} file")
-        publish(render(saved), args.write_md, "scale")
+        publish(render(read_saved(parser, args.from_json, SCHEMA)), args.write_md, "scale")
         return 0
     for name in ("tokens", "streams_per_pod"):
         if getattr(args, name) < 1:

@@ -477,12 +477,9 @@ def render(runs: list[ToolRun], load: Load, meta: dict[str, Any]) -> str:
 
 
 def machine(pin: bool) -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    from loadtest.bench import cpu_model
+
+    cpu = cpu_model()
     pinning = (f"gateway alone on core {GATEWAY_CORE}, pods and tools on core {LOAD_CORE}" if pin
                else "no CPU pinning")  # fmt: skip
     return (f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, "
