@@ -149,6 +149,10 @@ class Relay:
     def in_flight(self) -> int:
         return len(self._active)
 
+    def exchanges(self) -> list[Exchange]:
+        """The requests in flight now (a copy: they may end while the caller looks at them)."""
+        return list(self._active)
+
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; wait for those in flight, and end the rest at the deadline."""
         self.draining = True

@@ -36,7 +36,7 @@ def move_streams(relay: Relay, model: str, canary: str) -> int:
     stable = router.choose(None, override="stable", may_override=True)
     counter = relay.metrics.rollback_resumed_streams
     moved = kept = 0
-    for ex in list(relay._active):
+    for ex in relay.exchanges():
         if ex.public_model != model or ex.variant != canary:
             continue
         why = _unmovable(relay, ex)
