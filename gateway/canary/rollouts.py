@@ -56,22 +56,15 @@ class Rollouts:
 
     def __init__(self, config: Config, route: Route) -> None:
         self.route = route
-        now = time.time()
-        self.active: dict[str, Rollout] = {
-            model: Rollout(model, rc.rollout, started_at=now, variants=rc.variants)
-            for model, rc in config.routes.items()
-            if rc.rollout is not None
-        }
-        for model, rollout in self.active.items():
-            self._apply(model, rollout.weights())
-        url = config.quotas.redis_url
-        self.shared = SharedRollouts(url, config.quotas.key_prefix) if url and self.active else None
-        self._sync = {model: _Sync(epoch(config.routes[model])) for model in self.active}
+        self.active: dict[str, Rollout] = {}
+        self.shared: SharedRollouts | None = None
+        self._sync: dict[str, _Sync] = {}
         self._redis_up = True
         self._wake = asyncio.Event()
         # set by the relay: moves a route's in-flight canary streams to stable (on_rollback: resume)
         self.on_rollback: Callable[[str, str], object] | None = None
         self._moved: set[Rollout] = set()  # the rollouts whose streams were moved (once each)
+        self._take(config, route, reload=False)
 
     def observe(self, ex: Exchange, elapsed_s: float) -> None:
         """A finished request of a canary route, as a sample for its rollout's judge."""
@@ -122,6 +115,11 @@ class Rollouts:
         A route whose config is unchanged (the same epoch) keeps its rollout as it is: step, judge
         evidence, history. One whose config changed restarts at step 0; one no longer planned stops,
         its weights the config's again. Nothing is awaited, so the swap is whole or not at all."""
+        self._take(config, route, reload=True)
+
+    def _take(self, config: Config, route: Route, reload: bool) -> None:
+        """The rollouts of ``config``'s routes (at start-up every one new; on a ``reload`` those whose
+        epoch is unchanged kept), their weights in ``route``'s routers, and Redis when it is needed."""
         now = time.time()
         active: dict[str, Rollout] = {}
         sync: dict[str, _Sync] = {}
@@ -133,20 +131,19 @@ class Rollouts:
             if old is not None and self._sync[model].epoch == digest:
                 active[model], sync[model] = old, self._sync[model]
                 continue
-            active[model] = Rollout(model, rc.rollout, started_at=now, variants=rc.variants)
+            rollout = active[model] = Rollout(model, rc.rollout, started_at=now, variants=rc.variants)
             sync[model] = _Sync(digest)
-            how = "its route changed: restarted at step 0" if old is not None else "started"
-            log.info("rollout %s: %s by a config reload; weights now %s", model, how, active[model].weights())
-        for model in self.active.keys() - active.keys():
+            if reload:
+                how = "its route changed: restarted at step 0" if old is not None else "started"
+                log.info("rollout %s: %s by a config reload; weights now %s", model, how, rollout.weights())
+        for model in self.active.keys() - active.keys():  # none at start-up
             log.info("rollout %s: stopped by a config reload (the route has no rollout plan now)", model)
+        self.route, self.active, self._sync = route, active, sync
         for model, rollout in active.items():
-            router = route.routers.get(model)
-            if router is not None:
-                route.routers[model] = router.with_weights(rollout.weights())
+            self._apply(model, rollout.weights())
         url = config.quotas.redis_url
         if self.shared is None and url and active:
             self.shared = SharedRollouts(url, config.quotas.key_prefix)
-        self.route, self.active, self._sync = route, active, sync
 
     def command(self, model: str, action: str, why: str = "operator") -> dict[str, Any] | None:
         """An operator's pause / resume / promote / abort; None for a route with no rollout.
