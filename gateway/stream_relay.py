@@ -66,17 +66,8 @@ class StreamRelay:
         At most ``upstream.max_event_bytes`` of it, and no line longer than that (also enforced
         by the pod response for the rest of the stream): a pod cannot grow the gateway's memory.
         """
-        cap = resp.max_line = self.config.upstream.max_event_bytes
-        head = b""
-        pos = 0
         try:
-            while chunk := await resp.read():
-                head += chunk
-                found, pos = sse.scan_first_token(head, pos)
-                if found:
-                    return head
-                if len(head) > cap:
-                    raise sse.MalformedEvent(f"more than {cap} bytes and no token")
+            head, _ = await read_first_token(resp, self.config.upstream.max_event_bytes)
         except (sse.MalformedEvent, PodLineTooLong) as exc:
             resp.close()
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
@@ -360,6 +351,23 @@ class StreamRelay:
         finally:
             if resp is not None:
                 resp.release()
+
+
+async def read_first_token(resp: PodResponse, cap: int) -> tuple[bytes, bool]:
+    """What the pod sent up to and including the first event a client would see, and whether that
+    event came (False: the answer ended first). No line longer than ``cap`` from here on, and
+    ``MalformedEvent`` after ``cap`` bytes without a token: a pod cannot grow the gateway's memory."""
+    resp.max_line = cap
+    head = b""
+    pos = 0
+    while chunk := await resp.read():
+        head += chunk
+        found, pos = sse.scan_first_token(head, pos)
+        if found:
+            return head, True
+        if len(head) > cap:
+            raise sse.MalformedEvent(f"more than {cap} bytes and no token")
+    return head, False
 
 
 async def _result(task: asyncio.Task[int | None] | None, seconds: float) -> int | None:

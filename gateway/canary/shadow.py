@@ -39,6 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.phases.attempt import upstream_headers
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.pods.state import HALF_OPEN
+from gateway.stream_relay import read_first_token
 from transports import sse
 from transports.pod_client import PodClient, PodResponse
 
@@ -172,7 +173,7 @@ class Shadows:
                     streaming = req.stream and resp.headers.get("content-type", "").startswith(
                         "text/event-stream"
                     )
-                    if streaming and not await self._first_token(resp):
+                    if streaming and not (await read_first_token(resp, self._max_event_bytes))[1]:
                         return
                 if streaming:
                     plan.ttft.observe(loop.time() - start)
@@ -195,17 +196,3 @@ class Shadows:
             plan.in_flight -= 1
             if outcome:
                 plan.outcomes[outcome].inc()
-
-    async def _first_token(self, resp: PodResponse) -> bool:
-        """Read up to the first event a client would see (as ``StreamRelay.first_token``), bounded."""
-        cap = resp.max_line = self._max_event_bytes
-        head = b""
-        pos = 0
-        while chunk := await resp.read():
-            head += chunk
-            found, pos = sse.scan_first_token(head, pos)
-            if found:
-                return True
-            if len(head) > cap:
-                return False
-        return False
