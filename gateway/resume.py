@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.admit import encode_body
+from gateway.admit import CHUNK_ROUTES, encode_body
 from transports import sse
 from transports.pod_client import PodBrokenError
 
@@ -26,7 +26,7 @@ class RolledBack(PodBrokenError):
 
 def unsupported_reason(route: str, payload: dict[str, Any]) -> str | None:
     """Why this request's stream could not be continued correctly, or None if it can."""
-    if route not in ("chat", "completions"):
+    if route not in CHUNK_ROUTES:
         return f"the {route} API"
     if (payload.get("n") or 1) != 1:
         return "n > 1"
