@@ -125,11 +125,13 @@ def pod_state(admin_url: str, name: str, admin_key: str | None = None) -> dict[s
     return next(p for p in pods if p["name"] == name)["state"]
 
 
-def counter_totals(admin_url: str, family: str, label: str, **where: str) -> dict[str, float]:
+def counter_totals(
+    admin_url: str, family: str, label: str, timeout_s: float = 5.0, **where: str
+) -> dict[str, float]:
     """A counter's ``_total`` values on the admin listener's /metrics by ``label``, of samples
     matching ``where``."""
     totals: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(admin_url + "/metrics").text):
+    for fam in text_string_to_metric_families(httpx.get(admin_url + "/metrics", timeout=timeout_s).text):
         if fam.name == family:
             for s in fam.samples:
                 if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in where.items()):

@@ -20,7 +20,7 @@ import pytest
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.canary import canary_config
-from tests.conftest import wait_for
+from tests.conftest import counter_totals, wait_for
 from tests.redis_server import RedisServer, needs_redis_server
 
 PACED = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "40"]
@@ -50,12 +50,9 @@ def _text(body: bytes) -> tuple[str, list[Any]]:
     return text, events
 
 
-def _metric(admin_url: str, prefix: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(admin_url + "/metrics").text.splitlines()
-        if line.startswith(prefix)
-    )
+def _moved(admin_url: str) -> dict[str, float]:
+    """sluicegate_rollback_resumed_streams_total by outcome."""
+    return counter_totals(admin_url, "sluicegate_rollback_resumed_streams", "outcome", model="llama-8b")
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +132,9 @@ def _abort_moves_every_canary_stream(
         assert len(roles) == 1
 
     # every canary stream was moved, and says so in the metrics and its access-log line
-    resumed = 'sluicegate_rollback_resumed_streams_total{model="llama-8b",outcome="resumed"}'
-    assert _metric(gw.admin_url, resumed) == len(on_canary)
-    assert _metric(gw.admin_url, "sluicegate_rollback_resumed_streams_total") == len(on_canary)
+    moved = _moved(gw.admin_url)
+    assert moved.get("resumed", 0.0) == len(on_canary)
+    assert sum(moved.values()) == len(on_canary)
     rids = {rid: user for user, (_, rid, _) in results.items()}
     assert wait_for(lambda: sum(f'"request_id":"{rid}"' in gw.log() for rid in rids) == STREAMS)
     lines = [json.loads(line[line.index("{") :]) for line in gw.log().splitlines() if '"request_id"' in line]
@@ -186,6 +183,5 @@ def test_streams_resume_cannot_move_finish_on_the_canary(pods: tuple[PodsimProce
             thread.join(30)
         on_canary = [user for user, (pod, _) in results.items() if pod == "canary-1"]
         assert on_canary and all(results[u][1].endswith(b"data: [DONE]\n\n") for u in results)
-        finished = 'sluicegate_rollback_resumed_streams_total{model="llama-8b",outcome="finished"}'
-        assert _metric(gw.admin_url, finished) == len(on_canary)
+        assert _moved(gw.admin_url).get("finished", 0.0) == len(on_canary)
         assert "moved to stable" in gw.log()

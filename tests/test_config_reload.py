@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import json
 import os
-import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from gateway.config_load import load_config
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.canary import canary_config, canary_pods
-from tests.conftest import wait_for
+from tests.conftest import counter_totals, wait_for
 
 _users = itertools.count()
 RELOAD = {"watch": True, "interval_s": 0.1}
@@ -50,9 +49,8 @@ def write_config(gw: GatewayProcess, config: dict[str, Any], port: int = 0) -> N
 
 
 def reloads(gw: GatewayProcess, outcome: str = "ok") -> float:
-    text = httpx.get(gw.admin_url + "/metrics", timeout=10).text
-    found = re.search(rf'^sluicegate_config_reloads_total\{{outcome="{outcome}"\}} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    totals = counter_totals(gw.admin_url, "sluicegate_config_reloads", "outcome", timeout_s=10)
+    return totals.get(outcome, 0.0)
 
 
 def reloaded(gw: GatewayProcess, before: float, outcome: str = "ok") -> bool:

@@ -19,7 +19,7 @@ import pytest
 
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import wait_for
+from tests.conftest import counter_totals, wait_for
 
 PACED = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "30"]
 CHAT: dict[str, Any] = {
@@ -61,15 +61,8 @@ def record(gw: GatewayProcess, rid: str) -> dict[str, Any]:
 
 def tokens(gw: GatewayProcess, kind: str) -> tuple[float, float]:
     """(sluicegate_tokens_total, sluicegate_tokens_by_variant_total) of ``kind`` for llama-8b."""
-    text = httpx.get(gw.admin_url + "/metrics").text
-    total = by_variant = 0.0
-    for line in text.splitlines():
-        if line.startswith(f'sluicegate_tokens_total{{kind="{kind}",model="llama-8b"}}') or line.startswith(
-            f'sluicegate_tokens_total{{model="llama-8b",kind="{kind}"}}'
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("sluicegate_tokens_by_variant_total{") and f'kind="{kind}"' in line:
-            by_variant += float(line.rsplit(" ", 1)[1])
+    total = counter_totals(gw.admin_url, "sluicegate_tokens", "kind", model="llama-8b").get(kind, 0.0)
+    by_variant = counter_totals(gw.admin_url, "sluicegate_tokens_by_variant", "kind").get(kind, 0.0)
     return total, by_variant
 
 

@@ -327,8 +327,8 @@ def test_the_pods_usage_reaches_the_token_metrics(quota: Quota) -> None:
 
 
 def _tokens(quota: Quota, kind: str) -> float:
-    url = getattr(quota.gateway, "admin_url", "") or quota.gateway.url  # /metrics: the admin listener
-    return counter_totals(url, "sluicegate_tokens", "kind", model="llama-8b").get(kind, 0.0)
+    totals = counter_totals(quota.gateway.admin_url, "sluicegate_tokens", "kind", model="llama-8b")
+    return totals.get(kind, 0.0)
 
 
 # -- system: a resumed stream under a quota ----------------------------------------------------------------
