@@ -198,7 +198,8 @@ def _replica(url: str, prefix: str, seed: int, start: object, results: object) -
     results.put(asyncio.run(run()))  # type: ignore[attr-defined]
 
 
-def _max_overlap(intervals: list[tuple[float, float]]) -> int:
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at once (ends sort before starts at the same instant)."""
     events = sorted(
         [(b, 1) for b, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1])
     )
@@ -241,7 +242,7 @@ def test_replicas_in_processes_share_the_limits(redis: RedisServer, prefix: str)
         assert charged <= HAMMER_POLICY.tokens_per_minute + 3 * HAMMER_MAX_RESERVATION
     for subject in {s for s, _ in by_window}:
         held = [(began, ended) for s, _, _, _, began, ended in records if s == subject]
-        assert _max_overlap(held) <= HAMMER_POLICY.max_concurrent
+        assert max_overlap(held) <= HAMMER_POLICY.max_concurrent
         assert redis.command("ZCARD", f"{prefix}{subject}:leases") == 0
 
 

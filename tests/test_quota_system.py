@@ -27,6 +27,7 @@ from loadtest.procs import GatewayProcess
 from tests.conftest import gateway_in_flight, wait_for
 from tests.keys import auth_on, key_store
 from tests.redis_server import RedisServer, needs_redis_server
+from tests.test_quota_redis import max_overlap
 
 MODEL = "llama-8b"
 RATE_HEADERS = tuple(
@@ -418,17 +419,6 @@ async def _worker(load: Load, url: str, key: str, token: str, max_tokens: int = 
                 await asyncio.sleep(0.02)  # pacing, not synchronisation: refused clients back off
 
 
-def _max_overlap(intervals: list[tuple[float, float]]) -> int:
-    events = sorted(
-        [(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1])
-    )
-    now = peak = 0
-    for _, step in events:
-        now += step
-        peak = max(peak, now)
-    return peak
-
-
 @needs_redis_server()
 def test_three_gateways_one_redis_many_keys_at_once(shared_patient: Shared) -> None:
     shared = shared_patient
@@ -473,7 +463,7 @@ def test_three_gateways_one_redis_many_keys_at_once(shared_patient: Shared) -> N
     # less 20 ms of client scheduling at the end (a real excess overlaps for a whole ~50 ms stream).
     for key in HAMMERED:
         spans = [(o.headers_at, o.ended - 0.02) for o in outcomes if o.key == key and o.status == 200]
-        assert _max_overlap([(s, e) for s, e in spans if e > s]) <= CONCURRENT, key
+        assert max_overlap([(s, e) for s, e in spans if e > s]) <= CONCURRENT, key
 
 
 async def _until(condition: Any, timeout_s: float) -> bool:
