@@ -23,7 +23,7 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import reason
 from gateway.pods.registry import Pod, PodRegistry
-from gateway.quota.estimate import reservation
+from gateway.quota.estimate import prompt_estimate
 from gateway.resume import (
     Recorder,
     RolledBack,
@@ -239,19 +239,13 @@ class StreamRelay:
             if tap is None:  # tokens relayed on every ending, when no usage tap counts them
                 req = ex.req
                 no_usage = req is not None and not (resp.complete and wants_usage(req.payload))
-                if no_usage and not ex.prompt_estimate:
-                    ex.prompt_estimate = self._prompt_estimate(ex)
+                if no_usage and not ex.prompt_estimate:  # as admission would estimate it
+                    ex.prompt_estimate = prompt_estimate(req.payload, self.config.quotas.chars_per_token)
                 if recorder is not None:  # what the client got of every pod, counted once
                     if no_usage:
                         ex.tokens_relayed = content_events(recorder.sent)
                 else:  # a read is an event (a token) of a paced stream: no per-read work
                     ex.tokens_relayed += max(0, resp.chunks - reads - trailing_reads(resp))
-
-    def _prompt_estimate(self, ex: Exchange) -> int:
-        """The prompt's tokens as admission would estimate them, for a stream whose pod gives no usage."""
-        req = ex.req
-        assert req is not None
-        return reservation(req.payload, req.route, 0, self.config.quotas.chars_per_token)
 
     def _hold(self, ex: Exchange, pod: Pod, resp: PodResponse) -> None:
         """Count a continuation pod as busy until the request ends."""

@@ -14,7 +14,8 @@ from gateway.admit import InferenceRequest
 from gateway.config import Config
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.quota import QuotaPolicy, Quotas, policy_for, reservation
+from gateway.quota import QuotaPolicy, Quotas, policy_for
+from gateway.quota.estimate import completion_reserve, prompt_estimate
 from gateway.request_limits import enforce, limits_by_tier
 from gateway.usage import ask_for_usage
 
@@ -51,9 +52,9 @@ class Limit:
             return req
         tokens = 0
         if policy.tokens_per_minute is not None:
-            per_token = self._chars_per_token
-            ex.prompt_estimate = reservation(req.payload, req.route, 0, per_token)
-            tokens = reservation(req.payload, req.route, _asked(req.payload, limits.max_tokens), per_token)
+            ex.prompt_estimate = prompt_estimate(req.payload, self._chars_per_token)
+            asked = _asked(req.payload, limits.max_tokens)
+            tokens = ex.prompt_estimate + completion_reserve(req.payload, req.route, asked)
             if req.stream and req.route in _STREAMS_WITH_USAGE:
                 req, ex.usage_injected = ask_for_usage(req)
         subject = ex.caller.key_id if ex.caller.key_id is not None else f"tier:{ex.tier or '-'}"

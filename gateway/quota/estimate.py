@@ -46,12 +46,15 @@ def _text_chars(value: Any) -> tuple[int, int]:
 
 
 def reservation(payload: dict, route: str, max_tokens: int | None, chars_per_token: float) -> int:
-    """Tokens to reserve: the prompt's estimate plus ``max_tokens`` for each generated choice.
+    """Tokens to reserve: the prompt's estimate plus ``max_tokens`` for each generated choice."""
+    return prompt_estimate(payload, chars_per_token) + completion_reserve(payload, route, max_tokens)
 
-    Prompt: characters of the messages' contents (chat), ``prompt`` (completions) or ``input``
-    (embeddings, responses), plus ``instructions`` and the tools' JSON when present, divided by
-    ``chars_per_token`` and rounded up; +4 per chat message for the template; one per token id.
-    """
+
+def prompt_estimate(payload: dict, chars_per_token: float) -> int:
+    """The prompt's tokens, estimated: characters of the messages' contents (chat), ``prompt``
+    (completions) or ``input`` (embeddings, responses), plus ``instructions`` and the tools' JSON
+    when present, divided by ``chars_per_token`` and rounded up; +4 per chat message for the
+    template; one per token id."""
     chars = ids = 0
     messages = payload.get("messages")
     template = 0
@@ -67,12 +70,17 @@ def reservation(payload: dict, route: str, max_tokens: int | None, chars_per_tok
     tools = payload.get("tools")
     if tools:
         chars += len(json.dumps(tools, separators=(",", ":")))
-    prompt = math.ceil(chars / chars_per_token) + ids + template
+    return math.ceil(chars / chars_per_token) + ids + template
+
+
+def completion_reserve(payload: dict, route: str, max_tokens: int | None) -> int:
+    """``max_tokens`` for each choice the request may generate (``n``, ``best_of``); 0 for routes
+    that generate nothing."""
     if route in NO_COMPLETION or not max_tokens:
-        return prompt
+        return 0
     choices = 1
     for field in ("n", "best_of"):
         value = payload.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > choices:
             choices = value
-    return prompt + max_tokens * choices
+    return max_tokens * choices
