@@ -220,31 +220,44 @@ class Clients:
         self.aiohttp: aiohttp.ClientSession | None = None
         self.h2: H2Client | None = None
         self.h2c: H2Client | None = None
+        self._h2_lock = asyncio.Lock()
         self.h3: H3ClientConnection | None = None
 
     async def __aenter__(self) -> Clients:
         self.aiohttp = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        # HTTP/2 multiplexes: one connection each, as browsers do
-        host, _, port = self.http_url.removeprefix("http://").rpartition(":")
-        self.h2c = await H2Client.connect(host, int(port))
-        self.h2 = await H2Client.connect("127.0.0.1", self.tls_port, _insecure_context(["h2"]))
         self.h3 = await H3ClientConnection.connect("127.0.0.1", self.h3_port, verify=False)
         return self
 
     async def __aexit__(self, *_exc: object) -> None:
-        assert self.aiohttp and self.h2 and self.h2c and self.h3
+        assert self.aiohttp and self.h3
         await self.aiohttp.close()
-        self.h2.close()
-        self.h2c.close()
+        for client in (self.h2, self.h2c):
+            if client is not None:
+                client.close()
         await self.h3.aclose()
+
+    async def _h2_client(self, tls: bool) -> H2Client:
+        """The HTTP/2 connection for a row, (re)opened when the gateway closed it while idle (the
+        earlier rows take longer than its keep-alive timeout). HTTP/2 multiplexes: one connection
+        for all of a row's streams, as browsers do."""
+        async with self._h2_lock:  # a row's streams start together: one of them connects
+            client = self.h2 if tls else self.h2c
+            if client is None or client.lost is not None:
+                if tls:
+                    context = _insecure_context(["h2"])
+                    client = self.h2 = await H2Client.connect("127.0.0.1", self.tls_port, context)
+                else:
+                    host, _, port = self.http_url.removeprefix("http://").rpartition(":")
+                    client = self.h2c = await H2Client.connect(host, int(port))
+        return client
 
     def streamers(self, pod_url: str) -> dict[str, Streamer]:
         return {
             "direct to the pod (HTTP/1.1)": lambda n, first: self._aiohttp(pod_url + CHAT_PATH, n, first),
             "h1 (cleartext)": lambda n, first: self._aiohttp(self.http_url + CHAT_PATH, n, first),
             "h1 (TLS)": lambda n, first: self._aiohttp(self.https_url + CHAT_PATH, n, first, tls=True),
-            "h2c (cleartext)": lambda n, first: self._h2(self.h2c, self.http_url, n, first),
-            "h2 (TLS)": lambda n, first: self._h2(self.h2, self.https_url, n, first),
+            "h2c (cleartext)": lambda n, first: self._h2(False, self.http_url, n, first),
+            "h2 (TLS)": lambda n, first: self._h2(True, self.https_url, n, first),
             "h3 (QUIC)": self._h3,
             "gRPC-Web (h1)": self._grpc_web,
         }
@@ -262,8 +275,8 @@ class Clients:
                     seen = True
             assert seen
 
-    async def _h2(self, client: H2Client | None, base: str, tokens: int, first: Callable[[], None]) -> None:
-        assert client is not None
+    async def _h2(self, tls: bool, base: str, tokens: int, first: Callable[[], None]) -> None:
+        client = await self._h2_client(tls)
         seen: list[bool] = []
 
         def on_first() -> None:
