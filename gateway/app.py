@@ -25,6 +25,7 @@ from starlette.routing import Route
 from gateway.admin import AdminKey, AdminPlane, KeyLookup, http_error
 from gateway.admit import ROUTES
 from gateway.auth import KeyStore, load_key_store
+from gateway.collector import settle_after_startup
 from gateway.config import Config
 from gateway.errors import model_not_found
 from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
@@ -172,6 +173,7 @@ class Gateway:
             )
             loops.append(asyncio.create_task(resolver.run(self.discovered), name="dns"))
         await self.reloader.start()
+        settle_after_startup()
         try:
             yield
         finally:
