@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gateway.auth.keystore import hash_key, new_key, write_file
 from gateway.rlimits import raise_open_file_limit
 from loadtest.nginx import NginxProcess, nginx_binary
 from loadtest.podsim.launch import PodsimProcess
@@ -42,7 +43,8 @@ from loadtest.report import replace_marked_section
 
 MODEL = "bench-model"
 DEFAULT_REPEATS = 3
-TARGETS = ("direct", "gateway", "nginx")
+TARGETS = ("direct", "gateway", "nginx", "gateway-plain", "gateway-2w")
+DEFAULT_TARGETS = ("direct", "gateway", "nginx")
 PROXY_CORE = 1
 LOAD_CORE = 0
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -177,13 +179,49 @@ def start_pod(scenario: Scenario, pin: bool) -> PodsimProcess:
     return PodsimProcess(args, command_prefix=pin_prefix(LOAD_CORE, pin)).start()
 
 
-def start_gateway(pod_url: str, pin: bool) -> GatewayProcess:
-    """``sluicegate serve`` with default settings in front of one pod (models discovered, as with
-    ``--upstream``), on the proxy core; ready once ``/readyz`` answers 200."""
-    gateway = GatewayProcess({"pods": [{"name": "pod", "url": pod_url}]}, cpu=PROXY_CORE if pin else None)
+def gateway_config(pod_url: str, keys_file: Path, features: bool = True) -> tuple[dict[str, Any], str | None]:
+    """The gateway's config and the API key the load sends.
+
+    ``features`` (the ``gateway`` target): everything the demo config turns on, so the figures are
+    what a production gateway costs: API keys checked against a key store, the key's tier with a
+    request, token and concurrency quota (in memory, set out of reach so nothing is refused, but
+    every request reserved and settled, and usage asked of the pod for it), resume on another pod,
+    health probes and breakers, retries, metrics and the access log (to a file). Without it
+    (``gateway-plain``): ``serve --upstream``'s defaults, auth and quotas off.
+    """
+    config: dict[str, Any] = {"pods": [{"name": "pod", "url": pod_url}]}
+    if not features:
+        return config, None
+    key = new_key()
+    write_file(keys_file, [{
+        "id": "bench", "hash": hash_key(key), "tier": "bench", "models": None, "rights": [],
+        "expires": None, "quota": None,
+    }])
+    config.update({
+        "auth": {"enabled": True, "keys_file": str(keys_file)},
+        "tiers": {"bench": {
+            "max_tokens": 4096,
+            "quota": {"requests_per_minute": 1_000_000, "tokens_per_minute": 1_000_000_000,
+                      "max_concurrent": 100_000},
+        }},
+        "resume": {"models": ["*"], "max_per_request": 2},
+    })
+    return config, key
+
+
+def start_gateway(
+    pod_url: str, pin: bool, workdir: Path, *, features: bool = True, workers: int = 1
+) -> tuple[GatewayProcess, dict[str, str]]:
+    """``sluicegate serve`` in front of one pod (models discovered, as with ``--upstream``), on the
+    proxy core(s); ready once ``/readyz`` answers 200. Returns it and the headers requests need."""
+    config, key = gateway_config(pod_url, workdir / "keys.yaml", features)
+    extra = ["--workers", str(workers)] if workers > 1 else []
+    cpu = (PROXY_CORE if workers == 1 else None) if pin else None
+    gateway = GatewayProcess(config, cpu=cpu, extra_args=extra)
     gateway.start()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     if wait_ready(gateway):
-        return gateway
+        return gateway, headers
     tail = gateway.log()[-3000:]
     gateway.__exit__(None, None, None)
     raise RuntimeError(f"the gateway never became ready; its log ends with:\n{tail}")
@@ -216,7 +254,7 @@ def _get_status(url: str) -> int:
         conn.close()
 
 
-def warm_up(base_url: str, count: int = 3) -> None:
+def warm_up(base_url: str, count: int = 3, headers: dict[str, str] | None = None) -> None:
     """A few streamed requests, so first-request costs (imports, pools) stay out of the numbers."""
     body = json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "warm up"}],
@@ -225,7 +263,9 @@ def warm_up(base_url: str, count: int = 3) -> None:
     for _ in range(count):
         conn = _connection(base_url, 30.0)
         try:
-            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            conn.request(
+                "POST", "/v1/chat/completions", body, {"content-type": "application/json", **(headers or {})}
+            )
             resp = conn.getresponse()
             data = resp.read()
         finally:
@@ -273,7 +313,8 @@ class RunResult:
 
 
 def run_loadgen(
-    url: str, scenario: Scenario, pin: bool, *, requests: int = 0, max_tokens: int = 0
+    url: str, scenario: Scenario, pin: bool, *, requests: int = 0, max_tokens: int = 0,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``loadtest.loadgen`` as its own process on the load core and parse its JSON summary."""
     argv = [
@@ -285,6 +326,7 @@ def run_loadgen(
         "--ramp-s", str(scenario.ramp_s),
         "--think-ms", str(scenario.think_ms),
         "--timeout-s", str(max(60.0, scenario.ideal_s * 10)),
+        *(f"--header={name}: {value}" for name, value in (headers or {}).items()),
     ]
     limit = max(120.0, scenario.ideal_s * 10 + 60)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
@@ -355,18 +397,24 @@ def run_once(
     try:
         pod = start_pod(scenario, pin)
         base = pod.url
-        if target == "gateway":
-            proxy = start_gateway(pod.url, pin)
+        headers: dict[str, str] = {}
+        if target.startswith("gateway"):
+            proxy, headers = start_gateway(
+                pod.url, pin, workdir, features=target != "gateway-plain",
+                workers=2 if target == "gateway-2w" else 1,
+            )
             base = proxy.url
         elif target == "nginx":
             proxy = NginxProcess(pod.url, workdir / "nginx", command_prefix=pin_prefix(PROXY_CORE, pin))
             proxy.start()
             base = proxy.url
-        warm_up(base)
+        warm_up(base, headers=headers)
         if scenario.streams > 1:
             # One short request per stream at once, so that every proxy's upstream pool holds as
             # many warm connections as the load needs, as the direct target's pre-opened ones are.
-            warm = run_loadgen(base + "/v1/chat/completions", scenario, pin, requests=1, max_tokens=2)
+            warm = run_loadgen(
+                base + "/v1/chat/completions", scenario, pin, requests=1, max_tokens=2, headers=headers
+            )
             if warm["errors"]:
                 raise RuntimeError(f"warm-up streams failed: {warm['error_samples']}")
         proxy_pids = process_tree(proxy.pid) if proxy else []
@@ -376,7 +424,7 @@ def run_once(
             profiler = start_profiler(proxy.pid, min(10.0, max(1.0, scenario.ideal_s)), out)
             result.profile = str(out)
         before, pod_before = cpu_ticks(proxy_pids), cpu_ticks([pod.pid])
-        result.load = run_loadgen(base + "/v1/chat/completions", scenario, pin)
+        result.load = run_loadgen(base + "/v1/chat/completions", scenario, pin, headers=headers)
         if profiler is not None:
             profiler.wait(60)
         if proxy is not None:
@@ -630,7 +678,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--target", action="append", metavar="NAMES",
-        help="targets, comma-separated or repeated: direct, gateway, nginx (default: all)",
+        help="targets, comma-separated or repeated: direct, gateway (every feature on, as in the demo), "
+        "nginx, "
+        "gateway-plain (serve --upstream's defaults), gateway-2w (--workers 2, both cores; unpinned) "
+        "(default: direct, gateway, nginx)",
     )
     parser.add_argument(
         "--repeats", type=int, default=None,
@@ -686,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     scenarios = _choices(args.scenario, list(SCENARIOS), "scenario")
-    targets = _choices(args.target, TARGETS, "target")
+    targets = _choices(args.target, TARGETS, "target") if args.target else list(DEFAULT_TARGETS)
     notes = []
     if "nginx" in targets and nginx_binary() is None:
         targets.remove("nginx")

@@ -84,6 +84,7 @@ class LoadSpec:
     connect_timeout_s: float = 30.0
     check_tokens: bool = True
     prompt: str = "Tell me about sluice gates."
+    headers: tuple[tuple[str, str], ...] = ()  # extra request headers (an API key, say)
 
 
 @dataclass(slots=True)
@@ -226,9 +227,10 @@ class LoadGenerator:
         else:
             payload["prompt"] = spec.prompt
         body = json.dumps(payload, separators=(",", ":")).encode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in spec.headers)
         self.request = (
             f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"Accept: text/event-stream\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
         ).encode() + body
         self.tally = _Tally()
 
@@ -381,8 +383,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-check-tokens", action="store_true",
         help="do not count a stream with fewer than max_tokens content tokens as an error",
     )
+    parser.add_argument(
+        "--header", action="append", default=[], metavar="'NAME: VALUE'",
+        help="an extra request header (repeatable), e.g. 'Authorization: Bearer KEY'",
+    )
     parser.add_argument("--pretty", action="store_true", help="indent the JSON summary")
     return parser
+
+
+def _header(raw: str) -> tuple[str, str]:
+    name, sep, value = raw.partition(":")
+    if not sep or not name.strip() or any(c in raw for c in "\r\n"):
+        raise SystemExit(f"loadgen: --header must be 'NAME: VALUE' on one line, not {raw!r}")
+    return name.strip(), value.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         think_s=args.think_ms / 1000.0,
         timeout_s=args.timeout_s,
         check_tokens=not args.no_check_tokens,
+        headers=tuple(_header(raw) for raw in args.header),
     )
     # A short-lived process: keep the collector out of the per-token path.
     gc.freeze()
