@@ -34,9 +34,8 @@ from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import build_quotas
 from gateway.pods.credentials import PodAccess
-from gateway.pods.discovery import discovery_loop, refresh_all
-from gateway.pods.dns import DnsDiscovery
-from gateway.pods.kubernetes import KubePod, KubernetesDiscovery
+from gateway.pods.host import found_pods, start_host_loops
+from gateway.pods.kubernetes import KubePod
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
@@ -66,9 +65,16 @@ class Gateway:
     the key as sent."""
 
     def __init__(
-        self, config: Config, lookup: KeyLookup | None = None, source: ConfigSource | None = None
+        self,
+        config: Config,
+        lookup: KeyLookup | None = None,
+        source: ConfigSource | None = None,
+        worker: Any = None,
     ) -> None:
         self.config = config
+        # A worker of ``serve --workers N`` (``gateway.workers.worker.WorkerLink``): its pods' state
+        # comes from the supervisor's snapshots, none of the per-host loops run here.
+        self.worker = worker
         self.metrics = GatewayMetrics()
         self.registry = PodRegistry(
             config.pods, config.health, self.metrics, PodAccess.from_config(config)
@@ -142,36 +148,15 @@ class Gateway:
         )
         self.relay.hangups = HangupWatcher()
         await self.relay.start()  # key store reloads, quota leases
-        discovery = self.config.discovery
-        # One round before serving, so the first requests already know every pod's models.
-        await refresh_all(self.registry, discovery, self.metrics)
-        loops = [
-            asyncio.create_task(
-                discovery_loop(self.registry, discovery, self.metrics), name="discovery"
-            ),
-            asyncio.create_task(self.monitor.run(), name="pod-monitor"),
-            asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
-        ]
+        loops = [asyncio.create_task(self.loop_lag.run(), name="loop-lag")]
+        if self.worker is not None:  # serve --workers N: the supervisor measures the pods and feeds us
+            await self.worker.start(self.registry)
+        else:
+            loops += await start_host_loops(
+                self.registry, self.monitor, self.config.discovery, self.metrics, lambda: self.config.pods
+            )
         if self.relay.rollouts.active:
             loops.append(asyncio.create_task(self.relay.rollouts.run(), name="rollouts"))
-        if discovery.kubernetes is not None:
-            k8s = discovery.kubernetes
-            watcher = KubernetesDiscovery(
-                k8s.namespace,
-                k8s.service,
-                port_name=k8s.port_name,
-                model_label=k8s.model_label,
-                api_url=k8s.api_url,
-                kubeconfig=k8s.kubeconfig,
-                credentials=k8s.credentials,
-            )
-            loops.append(asyncio.create_task(watcher.run(self.discovered), name="kubernetes"))
-        if discovery.dns is not None:
-            dns = discovery.dns
-            resolver = DnsDiscovery(
-                dns.host, dns.port, models=dns.models, interval_s=dns.interval_s, credentials=dns.credentials
-            )
-            loops.append(asyncio.create_task(resolver.run(self.discovered), name="dns"))
         await self.reloader.start()
         settle_after_startup()
         try:
@@ -186,23 +171,16 @@ class Gateway:
             await self._session.close()
             await self._pod_client.close()
             await self.relay.close()
+            if self.worker is not None:
+                await self.worker.close()
             self.relay.hangups.close()
             self.relay.hangups = None
             self._session = None
             self._pod_client = None
 
     def discovered(self, pods: list[KubePod]) -> None:
-        """A new snapshot from Kubernetes or DNS: the configured pods plus these.
-
-        A pod whose endpoint is not ready (or terminating) stays in the registry as draining: no new
-        streams, and the ones in flight finish. Its Kubernetes device health joins the other
-        device sources."""
-        self.registry.sync([*self.config.pods, *(p.to_pod_config() for p in pods)])
-        for found in pods:
-            pod = self.registry.get(found.name)
-            if pod is not None:
-                self.registry.health_changed(pod, pod.health.set_draining(not found.ready))
-        self.monitor.set_source("kubernetes", [v for p in pods for v in p.device_health])
+        """A new snapshot from Kubernetes or DNS (``gateway.pods.host.found_pods``)."""
+        found_pods(self.registry, self.monitor, self.config.pods, pods)
 
     async def list_models(self, _request: Request) -> Response:
         created = int(self.started)
@@ -237,6 +215,8 @@ class Gateway:
     async def readyz(self, _request: Request) -> Response:
         if self.relay.draining:
             return JSONResponse({"status": "draining", "reason": "the gateway is shutting down"}, 503)
+        if self.worker is not None and not self.worker.fed:
+            return JSONResponse({"status": "not_ready", "reason": "no pod snapshot from the supervisor"}, 503)
         models = self.registry.routable_models()
         if models:
             return JSONResponse({"status": "ready", "models": models})

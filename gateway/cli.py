@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _serve_arguments(serve, "none: built-in defaults, pods from --upstream")
     serve.add_argument(
+        "--workers", metavar="N",
+        help="worker processes serving the listeners, one per core: 'auto' or 0 for one per CPU core; "
+        "1 is a single process (default: the config's server.workers, 1 when it sets none; "
+        "docs/operations.md)",
+    )
+    serve.add_argument(
         "--no-auth", action="store_true",
         help="accept requests without an API key (auth.enabled: false), for local experiments only; "
         "logged as a warning at start",
@@ -282,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_rollout(args)
     try:
+        workers = parse_workers(getattr(args, "workers", None))
         config = resolve_config(args)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
@@ -296,10 +303,46 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(config, args.log_level)
     from gateway.reload import ConfigSource
+    from gateway.workers.worker import WorkerSpec
 
+    spec = WorkerSpec.from_env()
+    if spec is not None:  # one of a supervisor's workers: its ports, its Redis (gateway/workers)
+        from gateway.server import serve_worker
+        from gateway.workers.worker import WorkerLink
+
+        configure_logging(args.log_level, f"worker-{spec.index}")
+        source = ConfigSource(args.config, lambda: spec.apply(resolve_config(args)))
+        serve_worker(spec.apply(config), args.log_level, source, WorkerLink(spec))
+        return 0
     # SIGHUP and a changed file re-read --config, with the same flags on top (gateway/reload.py)
-    serve(config, args.log_level, ConfigSource(args.config, lambda: resolve_config(args)))
+    source = ConfigSource(args.config, lambda: resolve_config(args))
+    from gateway.workers.supervisor import worker_count
+
+    count = worker_count(config.server.workers if workers is None else workers)
+    if count > 1:
+        from gateway.workers.supervisor import run_supervisor
+
+        return run_supervisor(config, count, argv if argv is not None else sys.argv[1:], source)
+    serve(config, args.log_level, source)
     return 0
+
+
+def parse_workers(value: str | None) -> int | None:
+    """``--workers``: a process count, or 0 (also 'auto') for one per CPU core; None when not given."""
+    if value is None:
+        return None
+    if value.strip().lower() == "auto":
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ConfigError(
+            f"--workers {value!r}: give a number of worker processes (1 or more), or 0 or 'auto' for one "
+            "per CPU core"
+        )
+    return count
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ from transports.tls import TlsFilesError, server_context
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure_logging(level: str = "info") -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+def configure_logging(level: str = "info", process: str | None = None) -> None:
+    """Log lines on stderr; ``process`` (a worker's name) tags each line of a worker of many."""
+    fmt = LOG_FORMAT if process is None else LOG_FORMAT.replace("%(name)s", f"{process} %(name)s")
+    logging.basicConfig(level=level.upper(), format=fmt, force=True)
 
 
 @dataclass
@@ -64,6 +66,11 @@ class ExtraListeners:
     alt_svc_port: int | None = None  # the HTTP/3 port as clients see it; None: the bound one
     alt_svc_max_age_s: int = 86400
     admin: AdminConfig | None = None  # None: no admin listener
+    # A worker of ``serve --workers N``: every public listener shares its port with the other
+    # workers' (SO_REUSEPORT, the kernel spreads connections), and the admin app listens on a
+    # private Unix socket (the supervisor's admin listener scrapes and forwards to it).
+    reuse_port: bool = False
+    admin_uds: str | None = None
 
 
 class Server(uvicorn.Server):
@@ -128,6 +135,8 @@ class Server(uvicorn.Server):
                 print(f"sluicegate {kind}listening on {url}", flush=True)
             if self.admin_url is not None:
                 print(f"sluicegate admin listening on {self.admin_url}", flush=True)
+            if self.extra.reuse_port:  # a worker: its supervisor waits for this line
+                print("sluicegate worker ready", flush=True)
             self.listening.set()
 
     async def _start_extra(self) -> None:
@@ -143,13 +152,17 @@ class Server(uvicorn.Server):
             return TlsDispatch(config, self.server_state, state, loop, extra.h2, extra.h1)
 
         server = await loop.create_server(
-            tls_protocol, host=config.host, port=extra.tls_port, ssl=extra.tls, backlog=config.backlog
+            tls_protocol, host=config.host, port=extra.tls_port, ssl=extra.tls, backlog=config.backlog,
+            reuse_port=extra.reuse_port or None,
         )
         self.servers.append(server)
         host, tls_port = server.sockets[0].getsockname()[:2]
         self.urls.append(f"https://{_netloc(host, tls_port)}")
         if extra.quic is not None:
+            from transports import h3_guard
             from transports.h3_server import H3Listener
+
+            h3_guard.REUSE_PORT = extra.reuse_port
 
             self.h3 = H3Listener(
                 config.loaded_app, extra.quic, self.server_state, state, config.root_path,
@@ -183,6 +196,11 @@ class Server(uvicorn.Server):
         def admin_protocol() -> HttpToolsProtocol:
             return HttpToolsProtocol(admin_config, self.server_state, state, loop)
 
+        if self.extra.admin_uds is not None:
+            server = await loop.create_unix_server(admin_protocol, path=self.extra.admin_uds)
+            self.servers.append(server)
+            self.admin_url = f"unix:{self.extra.admin_uds}"
+            return
         try:
             server = await loop.create_server(admin_protocol, host=admin.host, port=admin.port)
         except OSError as exc:
@@ -272,14 +290,19 @@ def build_server(
     log_level: str = "info",
     lookup: KeyLookup | None = None,
     source: ConfigSource | None = None,
+    worker: Any = None,
 ) -> Server:
     """The server for ``config``; uvicorn's own access log is off (the gateway writes its own).
     ``lookup`` finds API keys' records for the admin plane (``KeyStore.lookup``; see ``Gateway``);
-    ``source``, where ``config`` came from, for reloads (``gateway.reload``).
+    ``source``, where ``config`` came from, for reloads (``gateway.reload``); ``worker``, a
+    ``gateway.workers.worker.WorkerLink`` when this process is one of ``serve --workers N``.
 
     Raises ``ConfigError`` when the TLS certificate or key cannot be used."""
     extra = extra_listeners(config)
-    app = Gateway(config, lookup, source)
+    if worker is not None:
+        extra.reuse_port = True
+        extra.admin_uds = worker.spec.admin_path if extra.admin is not None else None
+    app = Gateway(config, lookup, source, worker=worker)
     http: Any = functools.partial(GuardedH1Protocol, limits=extra.h1)
     if config.server.h2c:
         http = functools.partial(CleartextDispatch, h2_settings=extra.h2, h1_limits=extra.h1)
@@ -310,3 +333,47 @@ def serve(config: Config, log_level: str = "info", source: ConfigSource | None =
         print(f"sluicegate: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     server.run()
+
+
+def serve_worker(config: Config, log_level: str, source: ConfigSource | None, worker: Any) -> None:
+    """One worker of ``serve --workers N``: as ``serve``, its cleartext listener bound here with
+    ``SO_REUSEPORT`` beside the other workers' (uvicorn binds none of its own)."""
+    raise_open_file_limit()
+    try:
+        server = build_server(config, log_level, source=source, worker=worker)
+    except ConfigError as exc:
+        print(f"sluicegate: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        sockets = reuse_port_sockets(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"sluicegate: cannot listen: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(STARTUP_FAILURE) from None
+    server.run(sockets=sockets)
+
+
+def reuse_port_sockets(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to every address of ``host`` on ``port`` with ``SO_REUSEPORT`` (not yet
+    listening): each worker binds its own, and the kernel spreads new connections across them."""
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, Any]] = set()
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        if (family, address) in seen:
+            continue
+        seen.add((family, address))
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            for bound in sockets:
+                bound.close()
+            raise
+        sockets.append(sock)
+    return sockets

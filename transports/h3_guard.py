@@ -144,6 +144,11 @@ class GuardedQuicServer(QuicServer):
         return True
 
 
+# Set by a process that shares its HTTP/3 port with sibling processes (``serve --workers N``): the
+# UDP socket is bound with SO_REUSEPORT, and the kernel keeps each client's 4-tuple on one socket.
+REUSE_PORT = False
+
+
 async def serve_guarded(
     host: str, port: int, *, limits: H3Limits, stats: H3Stats, configuration: Any, create_protocol: Any
 ) -> GuardedQuicServer:
@@ -154,5 +159,6 @@ async def serve_guarded(
             limits=limits, stats=stats, configuration=configuration, create_protocol=create_protocol
         ),
         local_addr=(host, port),
+        reuse_port=REUSE_PORT or None,
     )
     return protocol

@@ -13,7 +13,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -208,6 +208,9 @@ class PodRegistry:
         self._tiebreak = itertools.count()
         self.failing_open: set[str] = set()  # models routed without pressure data (all stale)
         self.panicking: set[str] = set()  # models routed across every live pod (panic threshold)
+        # A worker of ``serve --workers N`` also sends each outcome to the supervisor, whose breakers
+        # decide on the whole host's traffic: (pod name, failure or None for a success, when).
+        self.outcomes: Callable[[str, str | None, float], None] | None = None
         self.reindex()
         for pod in self.pods:
             self._publish(pod)
@@ -416,12 +419,16 @@ class PodRegistry:
     def report_success(self, pod: Pod) -> None:
         """A first token or a 2xx answer: the outlier breaker closes, and it is evidence of life."""
         pod.served_at = time.monotonic()
+        if self.outcomes is not None:
+            self.outcomes(pod.name, None, pod.served_at)
         if pod.outlier.success() is not None:
             self._transition(pod, "outlier", CLOSED, "a request succeeded")
 
     def report_failure(self, pod: Pod, what: str, now: float | None = None) -> None:
         """A gateway-visible failure: connect error, reset, 5xx or a gateway timeout."""
         now = time.monotonic() if now is None else now
+        if self.outcomes is not None:
+            self.outcomes(pod.name, what, now)
         ejected = sum(p.outlier.state != CLOSED for p in self.pods)
         may_eject = ejected * 100.0 < self.health_config.outlier.max_ejection_percent * len(self.pods)
         if pod.outlier.failure(what, now, may_eject) == OPEN:

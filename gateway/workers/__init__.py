@@ -1,0 +1,8 @@
+"""``sluicegate serve --workers N``: one supervisor process and N worker processes on one host.
+
+The supervisor owns what is measured once per host (discovery, probes, scrapes, device health, the
+breakers' verdicts) and the admin listener; each worker binds every public listener with
+``SO_REUSEPORT`` and serves requests from a registry fed by the supervisor's snapshots
+(``gateway.workers.feed``). What every replica must agree on (quotas, leases, the canary's step)
+goes through Redis, as between replicas. See docs/operations.md.
+"""
