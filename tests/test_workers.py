@@ -1,0 +1,195 @@
+"""``serve --workers 2`` as one gateway: real supervisor and worker processes, real sockets.
+
+Both workers serve (the merged /metrics names each by a ``worker`` label), each pod is probed once per
+interval whatever the number of workers, a quota is exact across workers (the private redis-server),
+SIGTERM drains the streams in flight on both workers and exits 0, and bad input is one line, exit 2/3.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.cli import main
+from loadtest.podsim.launch import PodsimProcess
+from loadtest.procs import GatewayProcess
+from tests.conftest import wait_for
+from tests.redis_server import needs_redis_server
+
+PROBE_S = 0.25
+CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+class _Counting(BaseHTTPRequestHandler):
+    """A pod that only answers probes, and counts them."""
+
+    probes = 0
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            type(self).probes += 1
+            body = b"{}"
+        elif self.path == "/v1/models":
+            body = b'{"object": "list", "data": [{"id": "counted", "object": "model"}]}'
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def counting_pod() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pod() -> Iterator[PodsimProcess]:
+    with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "20"]) as sim:
+        yield sim
+
+
+def _config(pod: PodsimProcess, counting: str) -> dict:
+    return {
+        "server": {"host": "127.0.0.1", "access_log": False},
+        "health": {"probe": {"interval_s": PROBE_S}},
+        "tiers": {"limited": {"quota": {"requests_per_minute": 4}}},
+        "pods": [
+            {"name": "sim", "url": pod.url, "models": ["llama-8b"]},
+            {"name": "counted", "url": counting, "models": ["counted"]},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def gateway(pod: PodsimProcess, counting_pod: str) -> Iterator[GatewayProcess]:
+    if subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0:
+        pytest.skip("redis-server is not installed (the workers share the quota through it)")
+    with GatewayProcess(_config(pod, counting_pod), extra_args=["--workers", "2"]) as gw:
+        yield gw
+
+
+def _by_worker(admin_url: str, family: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(admin_url + "/metrics", timeout=5).text):
+        if fam.name == family:
+            for s in fam.samples:
+                if not s.name.endswith("_created"):
+                    totals[s.labels["worker"]] = totals.get(s.labels["worker"], 0.0) + s.value
+    return totals
+
+
+def _fresh(url: str, path: str, json: dict, headers: dict | None = None) -> httpx.Response:
+    """One request on a connection of its own (SO_REUSEPORT spreads connections, not requests)."""
+    with httpx.Client(timeout=10) as client:
+        return client.post(url + path, json=json, headers=headers or {})
+
+
+@needs_redis_server()
+def test_both_workers_serve_and_metrics_name_each(gateway: GatewayProcess) -> None:
+    for _ in range(20):
+        assert _fresh(gateway.url, "/v1/chat/completions", CHAT).status_code == 200
+    served = _by_worker(gateway.admin_url, "sluicegate_requests")
+    assert set(served) == {"0", "1"} and sum(served.values()) == 20, served
+    assert httpx.get(gateway.url + "/readyz").json()["status"] == "ready"
+    pods = httpx.get(gateway.admin_url + "/admin/pods").json()["pods"]
+    assert {p["name"]: p["state"]["health"] for p in pods} == {"sim": "healthy", "counted": "healthy"}
+
+
+@needs_redis_server()
+def test_each_pod_is_probed_once_per_interval(gateway: GatewayProcess) -> None:
+    """Over a few intervals the pod counts about one probe per interval, not one per worker."""
+    start, began = _Counting.probes, time.monotonic()
+    time.sleep(8 * PROBE_S)  # a measurement window, not a wait for an event
+    probes, elapsed = _Counting.probes - start, time.monotonic() - began
+    intervals = elapsed / PROBE_S
+    assert intervals - 2 <= probes <= intervals + 1, (probes, intervals)
+
+
+@needs_redis_server()
+def test_a_quota_is_exact_across_workers(gateway: GatewayProcess) -> None:
+    headers = {"x-sluicegate-tier": "limited"}
+    before = _by_worker(gateway.admin_url, "sluicegate_requests")
+    statuses = [
+        _fresh(gateway.url, "/v1/chat/completions", CHAT, headers).status_code for _ in range(12)
+    ]
+    assert statuses.count(200) == 4 and statuses.count(429) == 8, statuses
+    after = _by_worker(gateway.admin_url, "sluicegate_requests")
+    assert all(after[w] > before.get(w, 0) for w in ("0", "1")), (before, after)
+
+
+def _stream(url: str, done: list[bool]) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 60}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        text = "".join(r.iter_text())
+    done.append(r.status_code == 200 and "data: [DONE]" in text)
+
+
+def _in_flight(gw: GatewayProcess) -> dict[str, float]:
+    return _by_worker(gw.admin_url, "sluicegate_in_flight_requests")
+
+
+@needs_redis_server()
+def test_sigterm_drains_streams_on_both_workers(pod: PodsimProcess, counting_pod: str) -> None:
+    with GatewayProcess(_config(pod, counting_pod), extra_args=["--workers", "2"]) as gw:
+        done: list[bool] = []
+        threads: list[threading.Thread] = []
+        while len(threads) < 30:
+            thread = threading.Thread(target=_stream, args=(gw.url, done))
+            thread.start()
+            threads.append(thread)
+            started = len(threads)
+            assert wait_for(lambda started=started: sum(_in_flight(gw).values()) >= started)
+            in_flight = _in_flight(gw)
+            if len(in_flight) == 2 and all(v > 0 for v in in_flight.values()):
+                break
+        assert all(v > 0 for v in in_flight.values()) and len(in_flight) == 2, in_flight
+        assert gw.stop(timeout_s=20) == 0, gw.log()
+        for thread in threads:
+            thread.join(10)
+        assert done == [True] * len(threads), gw.log()
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1.5"])
+def test_a_bad_workers_value_is_one_line_and_exit_2(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--upstream", "http://127.0.0.1:9", "--workers", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--workers" in err[0] and "auto" in err[0], err
+
+
+def test_a_taken_port_is_exit_3_before_any_worker(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump({
+            "server": {"host": "127.0.0.1", "port": port}, "auth": {"enabled": False},
+            "admin": {"enabled": False},
+            "pods": [{"name": "p", "url": "http://127.0.0.1:9", "models": ["m"]}],
+        }))
+        result = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--workers", "2"],
+            capture_output=True, text=True, timeout=30,
+        )
+    assert result.returncode == 3, result.stderr
+    assert "cannot listen" in result.stderr and "worker" not in result.stderr, result.stderr
