@@ -173,7 +173,7 @@ class ServerConfig(Frozen):
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: how long streams may finish")
     workers: int = Field(
-        default=1, ge=0, description="worker processes, one per core (docs/operations.md); 0: one per CPU core"
+        default=1, ge=0, description="worker processes, one per core (docs/operations.md); 0: one per core"
     )
     h2c: bool = Field(default=True, description="HTTP/2 with prior knowledge on the cleartext port")
     max_concurrent_streams: int = Field(default=128, ge=1, description="per HTTP/2 connection")
