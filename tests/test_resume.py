@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from gateway.resume import SentLog
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 
@@ -121,3 +123,23 @@ def test_streams_that_cannot_be_resumed_end_with_a_clear_error(setup: Setup) -> 
         if isinstance(events[-2], dict) and "error" in events[-2]:
             messages.append(events[-2]["error"]["message"])
     assert messages and all("cannot be resumed on another pod (tool calls)" in m for m in messages)
+
+
+def test_sent_log_gives_back_every_byte_across_blocks() -> None:
+    """The resume log keeps full blocks compressed; read back, it is exactly what was sent, however
+    the reads fell (a read that straddles a block boundary, empty reads, one huge read)."""
+    event = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"tok\\u00e9 "},"finish_reason":null}]}\n\n'
+    )
+    stream = event * 300 + b"data: [DONE]\n\n"
+    rng = random.Random(7)
+    log = SentLog()
+    at = 0
+    while at < len(stream):
+        size = rng.choice((0, 1, 17, 230, 4095, 4096, 9000))
+        log.append(stream[at : at + size])
+        at += size
+    assert log.getvalue() == stream
+    assert len(log._blocks) > 5 and sum(map(len, log._blocks)) < len(stream) // 5  # it did compress
+    assert SentLog().getvalue() == b""
