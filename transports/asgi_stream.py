@@ -28,6 +28,11 @@ The three promises the rest of the gateway relies on:
 
 The hot path, one body chunk: a dict lookup or two, one call into the connection (which frames it
 and schedules one write per connection per event-loop turn), no task, queue or copy of our own.
+Where the connection supports it (HTTP/2: ``splices``), the relay skips even the ASGI ``send`` for
+the body after the first token: ``splice_target()``/``writer()`` hand each pod chunk to the
+connection from the pod's parser callback (``transports/client_socket.py``), with the same promises:
+reading from the pod pauses while the connection keeps a chunk back, under the same ``stall_s``, and
+stops when the stream is lost.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ import re
 import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transports.client_socket import Sink, Upstream
 
 logger = logging.getLogger("sluicegate.transports")
 
@@ -62,7 +70,9 @@ class StreamConnection(Protocol):
         """Write the response's HEADERS (``headers`` begins with ``:status``)."""
 
     def send_data(self, stream: AsgiStream, data: bytes, end_stream: bool) -> bool:
-        """Write ``data`` as far as flow control allows and keep the rest (at most this chunk).
+        """Write ``data`` as far as flow control allows and keep the rest (in order, after what the
+        stream's earlier calls left; with ASGI sends that is at most this chunk, with a splice at
+        most the rest of one pod read).
 
         True: go on. False: the caller waits until the connection calls ``stream.writable()`` (all
         of ``data`` is out and the connection's output is below its high-water mark) or
@@ -173,6 +183,42 @@ class AsgiStream:
     def writable(self) -> None:
         """The data of the last ``send_data`` is out and the connection has room again."""
         _wake(self._tx_waiter)
+
+    # -- the relay's splice (transports/client_socket.py) -----------------------------------------
+
+    def splice_target(self) -> AsgiStream | None:
+        """This stream, when its connection takes spliced body chunks (HTTP/2) and the response has
+        started and is open; else None (HTTP/3: ASGI sends)."""
+        if self.started and not self.closed and getattr(self.conn, "splices", False):
+            return self
+        return None
+
+    def writer(self, upstream: Upstream) -> Sink:
+        """A sink for body chunks, called from the pod connection's parser callback: each goes to the
+        connection as ``send()`` would hand it, without a task step. While the connection keeps some
+        back (the client's window is short, or its socket over the high-water mark), reading from the
+        pod pauses until there is room, or until ``stall_s`` resets the stream; the connection keeps
+        chunks in order, so the ASGI ``send()`` that ends the response waits behind them."""
+        send_data = self.conn.send_data
+        paused = False
+
+        def resume(_: asyncio.Future[None]) -> None:
+            nonlocal paused
+            paused = False
+            if not self.gone:  # gone: the disconnect callback has closed the pod answer
+                upstream.resume_reading()
+
+        def sink(body: bytes) -> None:
+            nonlocal paused
+            if self.closed:  # the client left (its disconnect callback ends the request): stop the pod
+                upstream.close()
+                return
+            if not send_data(self, body, False) and not paused:
+                paused = True
+                upstream.pause_reading()
+                self._room().add_done_callback(resume)
+
+        return sink
 
     @property
     def request_complete(self) -> bool:
@@ -292,16 +338,20 @@ class AsgiStream:
     async def _wait_tx(self) -> None:
         if self.gone:
             return
+        await self._room()
+
+    def _room(self) -> asyncio.Future[None]:
+        """The wait for room (done on ``writable()`` or ``lost()``), shared by ``send()`` and the
+        splice; the stream is reset if it lasts ``stall_s``. One timer per wait, none per chunk."""
+        waiter = self._tx_waiter
+        if waiter is not None and not waiter.done():
+            return waiter
         loop = asyncio.get_running_loop()
         waiter = self._tx_waiter = loop.create_future()
-        # one timer per wait for room, none per chunk that goes straight out
-        timer = loop.call_later(self.stall_s, self._stalled, waiter) if self.stall_s is not None else None
-        try:
-            await waiter
-        finally:
-            self._tx_waiter = None
-            if timer is not None:
-                timer.cancel()
+        if self.stall_s is not None:
+            timer = loop.call_later(self.stall_s, self._stalled, waiter)
+            waiter.add_done_callback(lambda _: timer.cancel())
+        return waiter
 
     def _stalled(self, waiter: asyncio.Future[None]) -> None:
         """The stall deadline passed with ``send()`` still waiting: the client is not reading."""

@@ -1,10 +1,19 @@
-"""Direct writes to an HTTP/1.1 client's socket, under uvicorn, for the relay's splice.
+"""Where the relay's splice writes: the client's side of a response, reachable from its ASGI ``send``.
 
-uvicorn's HTTP/1.1 ``send`` is a bound method of its request cycle, which holds the client's
-transport and flow control. Once the status line is out (via ASGI, so uvicorn knows the response is
-chunked), the body can be written to that transport in chunked framing straight from the pod
-connection's parser callback, and the response still ends with an ordinary ASGI send. Anything that
-is not uvicorn's HTTP/1.1 (HTTP/2, HTTP/3, another server) gets None and the relay uses ASGI sends.
+After the first token, the relay hands each pod body chunk from the pod connection's parser callback
+straight to the client's connection instead of awaiting one ASGI ``send`` per pod read (see
+docs/architecture.md, "Why the hot path looks the way it does"). The response still starts and ends
+with ASGI messages, so the server's own bookkeeping (keep-alive, END_STREAM, trailers) stays right.
+``client_socket(send)`` finds the target behind ``send``:
+
+- uvicorn's HTTP/1.1: its request cycle holds the client's transport and flow control; once the
+  status line is out (chunked), body chunks are written to the transport in chunked framing.
+- the gateway's own HTTP/2 streams (``transports.asgi_stream.AsgiStream`` on ``h2_server``): the
+  stream itself; each chunk becomes a DATA frame within the flow-control windows.
+
+Anything else (HTTP/3, another server, a wrapped ``send``) gets None, and the relay uses ASGI sends.
+Either target pauses reading from the pod while the client cannot take more, and stops it as soon as
+it sees the client gone.
 """
 
 from __future__ import annotations
@@ -13,15 +22,27 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+Sink = Callable[[bytes], None]
 
-class _Reader(Protocol):
+
+class Upstream(Protocol):
+    """The pod answer a splice reads from (``transports.pod_client.PodResponse``)."""
+
     def pause_reading(self) -> None: ...
     def resume_reading(self) -> None: ...
     def close(self) -> None: ...
 
 
+class SpliceTarget(Protocol):
+    """A response's client side that takes body chunks from a callback, not a coroutine."""
+
+    def writer(self, upstream: Upstream) -> Sink:
+        """A sink for body chunks; it pauses ``upstream`` while the client is slow, closes it when gone."""
+        ...
+
+
 class ClientSocket:
-    """The client's transport and uvicorn's flow control for one response."""
+    """The client's transport and uvicorn's flow control for one HTTP/1.1 response."""
 
     __slots__ = ("flow", "transport")
 
@@ -29,7 +50,7 @@ class ClientSocket:
         self.transport = transport
         self.flow = flow
 
-    def writer(self, upstream: _Reader) -> Callable[[bytes], None]:
+    def writer(self, upstream: Upstream) -> Sink:
         """A sink for body chunks: frame, write, and pause ``upstream`` while the client is slow."""
         transport = self.transport
         write = transport.write
@@ -57,11 +78,14 @@ class ClientSocket:
         return sink
 
 
-def client_socket(send: Callable[[dict[str, Any]], Awaitable[None]]) -> ClientSocket | None:
-    """The client socket behind uvicorn's HTTP/1.1 ``send`` once a chunked response has started."""
-    cycle = getattr(send, "__self__", None)
-    transport = getattr(cycle, "transport", None)
-    flow = getattr(cycle, "flow", None)
-    if transport is None or flow is None or getattr(cycle, "chunked_encoding", None) is not True:
+def client_socket(send: Callable[[dict[str, Any]], Awaitable[None]]) -> SpliceTarget | None:
+    """The splice target behind ``send`` once its response has started, else None (see module doc)."""
+    owner = getattr(send, "__self__", None)
+    target = getattr(owner, "splice_target", None)
+    if target is not None:  # the gateway's HTTP/2 and HTTP/3 streams: the stream says
+        return target()  # type: ignore[no-any-return]
+    transport = getattr(owner, "transport", None)
+    flow = getattr(owner, "flow", None)
+    if transport is None or flow is None or getattr(owner, "chunked_encoding", None) is not True:
         return None
     return ClientSocket(transport, flow)

@@ -14,6 +14,10 @@ Design points (see docs/transports.md):
   than the peer's window is sent as far as the window goes and the rest waits (the app's ``send()``
   with it) for WINDOW_UPDATE. When the transport's buffer passes its high-water mark every stream's
   next ``send()`` waits for ``resume_writing``.
+- **The relay's splice** (``splices``): after the first token the relay's body chunks arrive from the
+  pod connection's parser callback through ``AsgiStream.writer`` instead of one ASGI ``send()`` each;
+  they take the same ``send_data`` path. A chunk that arrives while the stream's earlier bytes wait
+  for the window queues behind them (the pod is paused meanwhile), so order is kept.
 - **One write per connection per loop turn**: frames accumulate in h2's output buffer and a single
   ``transport.write`` (scheduled with ``call_soon``) sends what every stream produced meanwhile.
   Except for a response's first DATA (the first token, with the HEADERS framed just before it):
@@ -85,6 +89,8 @@ def _local_settings(s: H2Settings, max_streams: int) -> h2.settings.Settings:
 
 class H2Protocol(asyncio.Protocol):
     """One HTTP/2 connection (cleartext or TLS): h2 events in, ASGI streams out."""
+
+    splices = True  # streams take the relay's body chunks from a callback (``AsgiStream.writer``)
 
     def __init__(
         self,
@@ -378,6 +384,7 @@ class H2Protocol(asyncio.Protocol):
             h2_stream is not None
             and size
             and not end_stream
+            and sid not in self._blocked
             and size <= self._max_frame
             and size <= conn.outbound_flow_control_window
             and size <= h2_stream.outbound_flow_control_window
@@ -391,7 +398,10 @@ class H2Protocol(asyncio.Protocol):
             out += data
         else:
             try:
-                if size <= self._max_frame and size <= conn.local_flow_control_window(sid):
+                blocked = self._blocked.get(sid)
+                if blocked is not None:  # a splice's earlier chunk still waits for the window: queue behind
+                    self._blocked[sid] = (stream, memoryview(b"".join((blocked[1], data))), end_stream)
+                elif size <= self._max_frame and size <= conn.local_flow_control_window(sid):
                     conn.send_data(sid, data, end_stream=end_stream)
                 else:
                     self._blocked[sid] = (stream, memoryview(data), end_stream)
