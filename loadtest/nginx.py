@@ -4,6 +4,10 @@ The configuration is the one a careful operator would write for SSE: ``proxy_buf
 every upstream read is forwarded at once, HTTP/1.1 with pooled keep-alive connections upstream,
 one worker (the proxy gets one core in the benchmark), no access log, and a listen backlog and
 connection limits large enough for 2000 concurrent streams. Debian's ``nginx-light`` is enough.
+
+For the HTTP/2 comparison (``loadtest/bench_h2.py``) it also listens with ``http2``: cleartext h2c
+with prior knowledge on ``h2c_port`` and HTTP/2 over TLS (ALPN) on ``tls_port``; upstream is the
+same pooled HTTP/1.1.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ http {{
 
     server {{
         listen {listen} backlog={backlog};
-        location / {{
+{h2_listens}        location / {{
             proxy_pass http://pod;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
@@ -96,9 +100,24 @@ def render_config(
     connections: int = 16384,
     keepalive: int = 4096,
     backlog: int = 4096,
+    h2c_listen: str | None = None,
+    tls_listen: str | None = None,
+    tls_files: tuple[Path, Path] | None = None,
 ) -> str:
-    """nginx.conf text proxying ``listen`` (host:port) to ``upstream`` (host:port) without buffering."""
+    """nginx.conf text proxying ``listen`` (host:port) to ``upstream`` (host:port) without buffering;
+    with ``h2c_listen`` and ``tls_listen`` (and ``tls_files``: certificate, key) also over HTTP/2."""
+    h2_listens = ""
+    if h2c_listen is not None:
+        h2_listens += f"        listen {h2c_listen} http2 backlog={backlog};\n"
+    if tls_listen is not None:
+        if tls_files is None:
+            raise ValueError("a TLS listener needs a certificate and key")
+        h2_listens += (
+            f"        listen {tls_listen} ssl http2 backlog={backlog};\n"
+            f"        ssl_certificate {tls_files[0]};\n        ssl_certificate_key {tls_files[1]};\n"
+        )
     return CONFIG_TEMPLATE.format(
+        h2_listens=h2_listens,
         workdir=workdir,
         listen=listen,
         upstream=upstream,
@@ -114,7 +133,8 @@ class NginxProcess:
     """nginx in the foreground (``daemon off``) in its own scratch directory.
 
     ``command_prefix`` is prepended to the command line, e.g. ``["taskset", "-c", "1"]``; the
-    workers inherit the master's CPU affinity.
+    workers inherit the master's CPU affinity. ``http2``: also listen for h2c (``h2c_port``) and, with
+    ``tls_files`` (certificate, key), for HTTP/2 over TLS (``tls_port``), each on a free port.
     """
 
     def __init__(
@@ -127,6 +147,8 @@ class NginxProcess:
         workers: int = 1,
         command_prefix: list[str] | None = None,
         binary: str | None = None,
+        http2: bool = False,
+        tls_files: tuple[Path, Path] | None = None,
     ) -> None:
         parts = urlsplit(upstream_url)
         if not parts.hostname or not parts.port:
@@ -140,6 +162,9 @@ class NginxProcess:
         self.port = port or free_port(host)
         self.workers = workers
         self.prefix = list(command_prefix or [])
+        self.h2c_port = free_port(host) if http2 else None
+        self.tls_port = free_port(host) if http2 and tls_files is not None else None
+        self.tls_files = tls_files
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -160,9 +185,12 @@ class NginxProcess:
         for sub in ("body", "proxy"):
             (self.workdir / sub).mkdir(exist_ok=True)
         conf = self.workdir / "nginx.conf"
-        conf.write_text(
-            render_config(self.workdir, f"{self.host}:{self.port}", self.upstream, workers=self.workers)
-        )
+        h2c = f"{self.host}:{self.h2c_port}" if self.h2c_port else None
+        tls = f"{self.host}:{self.tls_port}" if self.tls_port else None
+        conf.write_text(render_config(
+            self.workdir, f"{self.host}:{self.port}", self.upstream, workers=self.workers,
+            h2c_listen=h2c, tls_listen=tls, tls_files=self.tls_files,
+        ))
         cmd = [*self.prefix, self.binary, "-p", str(self.workdir), "-c", str(conf), "-e",
                str(self.workdir / "error.log")]
         log = open(self.workdir / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
