@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from gateway.canary.rollout import Change, Rollout
 from gateway.canary.shared import Shared, SharedRollouts, epoch
 from gateway.config import Config
@@ -60,6 +58,7 @@ class Rollouts:
         self.shared: SharedRollouts | None = None
         self._sync: dict[str, _Sync] = {}
         self._redis_up = True
+        self._store_errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
         self._wake = asyncio.Event()
         # set by the relay: moves a route's in-flight canary streams to stable (on_rollback: resume)
         self.on_rollback: Callable[[str, str], object] | None = None
@@ -101,7 +100,7 @@ class Rollouts:
                     if not self._redis_up:
                         log.warning("rollouts: Redis is back; sharing rollouts again")
                     self._redis_up = True
-                except (RedisError, OSError, TimeoutError) as exc:
+                except self._store_errors as exc:
                     if self._redis_up:
                         log.warning("rollouts: Redis unreachable (%s); keeping each step, rollback only", exc)
                     self._redis_up = False
@@ -143,7 +142,10 @@ class Rollouts:
             self._apply(model, rollout.weights())
         url = config.quotas.redis_url
         if self.shared is None and url and active:
+            from redis.exceptions import RedisError  # redis-py only when rollouts are shared
+
             self.shared = SharedRollouts(url, config.quotas.key_prefix)
+            self._store_errors = (RedisError, OSError, TimeoutError)
 
     def command(self, model: str, action: str, why: str = "operator") -> dict[str, Any] | None:
         """An operator's pause / resume / promote / abort; None for a route with no rollout.

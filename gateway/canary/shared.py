@@ -27,10 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from gateway.canary.rollout import Event
 
 KEY_TTL_MS = 7 * 24 * 3600 * 1000  # a finished rollout's keys outlive any sensible deploy, then go
@@ -109,6 +105,10 @@ class SharedRollouts:
     """The Redis side of shared rollouts; the caller (``Rollouts``) bounds every call's time."""
 
     def __init__(self, url: str, key_prefix: str) -> None:
+        import redis.asyncio as aioredis  # here: redis-py is imported only where rollouts are shared
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
         # No retries inside the client: a dead Redis costs one timeout per tick, then the next tick.
         self.client = aioredis.Redis.from_url(
             url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)

@@ -20,9 +20,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
-
-from redis.exceptions import RedisError
 
 from gateway.config import QuotasConfig
 from gateway.errors import GatewayError
@@ -32,7 +31,9 @@ from gateway.quota.decision import Decision, window_of
 from gateway.quota.headers import duration, rate_headers, retry_headers
 from gateway.quota.memory import MemoryCounters
 from gateway.quota.policy import QuotaPolicy
-from gateway.quota.redis_store import RedisCounters
+
+if TYPE_CHECKING:
+    from gateway.quota.redis_store import RedisCounters
 
 log = logging.getLogger("sluicegate.quota")
 
@@ -99,11 +100,17 @@ class Quotas:
         self.config = config
         self._clock = clock
         self._memory = MemoryCounters(clock)
-        self._redis = (
-            RedisCounters(config.redis_url, config.key_prefix, config.timeout_ms / 1000, config.lease_ttl_s)
-            if config.redis_url
-            else None
-        )
+        self._redis: RedisCounters | None = None
+        self._store_errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+        if config.redis_url:  # redis-py (~8 MB, more with what it imports) only when a store is named
+            from redis.exceptions import RedisError
+
+            from gateway.quota.redis_store import RedisCounters
+
+            self._redis = RedisCounters(
+                config.redis_url, config.key_prefix, config.timeout_ms / 1000, config.lease_ttl_s
+            )
+            self._store_errors = (RedisError, OSError, TimeoutError)
         self._where = _where(config.redis_url) if config.redis_url else "memory"
         self._timeout_s = config.timeout_ms / 1000
         self._background_timeout_s = max(1.0, 10 * self._timeout_s)
@@ -177,7 +184,7 @@ class Quotas:
                 if probe:
                     self._breaker.abandoned()
                 raise
-            except (RedisError, OSError, TimeoutError) as exc:
+            except self._store_errors as exc:
                 self._observe("error", started)
                 self._failed(probe, exc)
             else:
@@ -260,7 +267,7 @@ class Quotas:
                 try:
                     async with asyncio.timeout(self._background_timeout_s):
                         await self._redis.settle(batch)
-                except (RedisError, OSError, TimeoutError) as exc:
+                except self._store_errors as exc:
                     self._failed(False, exc)
                     # Whether they ran is unknown: keep the releases (idempotent), not the refunds.
                     kept = [(s, w, 0, lease) for s, w, _, lease in batch if lease]
@@ -279,7 +286,7 @@ class Quotas:
                 try:
                     async with asyncio.timeout(self._background_timeout_s):
                         await self._redis.renew(leases, self._clock())
-                except (RedisError, OSError, TimeoutError) as exc:
+                except self._store_errors as exc:
                     self._failed(False, exc)
             if self._pending and self._flushing is None and self.store_up:
                 self._queue([])

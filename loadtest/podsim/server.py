@@ -270,7 +270,8 @@ class _StreamSink:
             self.fault_at = self.pending[0][0] if self.pending else -1
             self.stats.count_fault(knob)
             if knob in _CARRY_ON:
-                parts.append(wire.MALFORMED if knob == "malformed_after" else fmt.token(wire.HUGE_TOKEN))
+                huge = knob != "malformed_after"
+                parts.append(fmt.token(b"x" * wire.HUGE_TOKEN_BYTES) if huge else wire.MALFORMED)
                 continue
             if knob == "error_after":
                 parts += (wire.MIDSTREAM_ERROR, wire.DONE)

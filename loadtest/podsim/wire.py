@@ -20,7 +20,7 @@ MALFORMED = b'data: {"id":\n\n'
 # Fault shapes of a stream cut short or gone wrong (see faults.py)
 GARBAGE = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n\n"
 BAD_UTF8 = b"caf\xc3 \xff\xfe na\xefve"  # a lone lead byte, bytes UTF-8 never uses, a Latin-1 byte
-HUGE_TOKEN = b"x" * (4 * 1024 * 1024)
+HUGE_TOKEN_BYTES = 4 * 1024 * 1024  # built when the fault asks for it: 4 MB held by every importer otherwise
 ENDLESS_HEAD = b'data: {"id":"'
 ENDLESS_PIECE = b"A" * (64 * 1024)
 KEEPALIVE = b": keep-alive\n\n"
