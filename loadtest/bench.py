@@ -11,7 +11,8 @@ repeats are interleaved across targets so slow drifts of the machine hit every t
 
 Scenarios (see ``SCENARIOS``): (a) one stream of sequential short requests, for the latency a proxy
 adds to time to first token; (b) 100 and (c) 500 concurrent streams at 5 ms per token, for CPU per
-token and throughput; (d) 2000 slow streams, for holding many idle-ish connections without errors.
+token and throughput; (d) 2000 slow streams, for holding many idle-ish connections without errors;
+(e) the demo's pacing, where tokens come one per read and the proxy's idle CPU shows per token.
 """
 
 from __future__ import annotations
@@ -79,8 +80,17 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("b", "100 concurrent streams of 256 tokens at 5 ms/token", 100, 3, 256, itl_ms=5.0),
         Scenario("c", "500 concurrent streams of 256 tokens at 5 ms/token", 500, 2, 256, itl_ms=5.0),
         Scenario("d", "2000 slow streams of 50 tokens at 200 ms/token", 2000, 1, 50, itl_ms=200.0),
+        Scenario(
+            "e", "32 streams at the demo's pacing (120 ms to the first token, then 40 ms/token), "
+            "3 x 128 tokens",
+            32, 3, 128, itl_ms=40.0, ttft_ms=120.0,
+        ),
     )
 }
+# Scenarios where the proxy's idle CPU is measured too: at a low token rate, what a proxy spends per
+# second on its own (probes, scrapes, timers) is a visible share of its CPU per token.
+IDLE_SCENARIOS = ("e",)
+IDLE_S = 5.0
 
 
 # --------------------------------------------------------------------------- /proc sampling
@@ -289,6 +299,7 @@ class RunResult:
     proxy_sys_s: float | None = None
     proxy_peak_rss_kib: int | None = None
     pod_cpu_s: float = 0.0
+    idle_cpu_s: float | None = None  # the proxy's CPU over IDLE_S seconds with no load (IDLE_SCENARIOS)
     profile: str | None = None
     error: str | None = None
 
@@ -418,6 +429,10 @@ def run_once(
             if warm["errors"]:
                 raise RuntimeError(f"warm-up streams failed: {warm['error_samples']}")
         proxy_pids = process_tree(proxy.pid) if proxy else []
+        if proxy_pids and scenario.key in IDLE_SCENARIOS:
+            idle_before = cpu_ticks(proxy_pids)
+            time.sleep(IDLE_S)  # nothing to await: this measures the proxy doing nothing for a while
+            result.idle_cpu_s = sum(cpu_delta_s(idle_before, cpu_ticks(proxy_pids)))
         profiler = None
         if profile_dir is not None and isinstance(proxy, GatewayProcess):
             out = profile_dir / f"{scenario.key}-gateway-{repeat}.txt"
@@ -484,6 +499,7 @@ class Row:
     peak_rss_mib: float | None
     core0_busy: float | None
     failures: list[str]
+    idle_cpu_ms_per_s: float | None = None
 
     @property
     def cpu_total(self) -> float | None:
@@ -526,6 +542,9 @@ def aggregate(results: list[RunResult]) -> list[Row]:
                 peak_rss_mib=_median(rss),
                 core0_busy=_median(busy),
                 failures=failures,
+                idle_cpu_ms_per_s=_median(
+                    [r.idle_cpu_s * 1000 / IDLE_S for r in good if r.idle_cpu_s is not None]
+                ),
             ))
     return rows
 
@@ -567,6 +586,13 @@ def render_tables(rows: list[Row]) -> str:
             ]
             if added:
                 out.append(f"\nAdded TTFT p50 vs direct: {', '.join(added)}.")
+        idle = [
+            f"{r.target} {r.idle_cpu_ms_per_s:.1f} CPU-ms/s, i.e. "
+            f"{r.idle_cpu_ms_per_s / r.tokens_per_s * 1000:.1f} of its CPU-ms per 1k tokens here"
+            for r in mine if r.idle_cpu_ms_per_s is not None and r.tokens_per_s
+        ]
+        if idle:
+            out.append(f"\nIdle CPU (no load, {IDLE_S:g} s): {'; '.join(idle)}.")
         notes = [f"{r.target}: {f}" for r in mine for f in r.failures]
         if notes:
             out.append("\nErrors seen: " + "; ".join(notes[:6]))
