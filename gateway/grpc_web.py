@@ -18,16 +18,19 @@ JSON is ``gateway/grpc_web_messages.py`` (the generated code) and ``gateway/grpc
 - the client's ``grpc-timeout`` becomes ``X-Request-Timeout-Ms``, which the relay already honours as
   a cap on the request's total deadline (never longer than the tier allows).
 
-The relay's HTTP/1.1 splice (pod bytes written straight to the client socket) finds the socket
-through ``send.__self__``; the wrapper's ``send`` is a method of the per-call adapter, which has no
-transport, so every body goes through the wrapper. The synthetic ``receive`` is instead bound to
-the server's request cycle (``receive.__self__``) when there is one, so the relay's tripwire and
-hang-up watcher install on the real connection exactly as for an HTTP client.
+The relay's splice (pod bytes written to the client from the pod connection's callback) finds its
+target through ``send.__self__``; the wrapper's ``send`` is a method of the per-call adapter, whose
+``splice_target`` is the client connection's own target behind a sink that translates SSE to
+frames (``grpc_web_call.Splice``). So a gRPC-Web stream splices wherever an HTTP one does, with
+no ASGI send per pod read. The synthetic ``receive`` is instead bound to the server's request
+cycle (``receive.__self__``) when there is one, so the relay's tripwire and hang-up watcher
+install on the real connection exactly as for an HTTP client.
 
-Per event: a vLLM token event that differs from the stream's previous one only in its content is
-serialized from its bytes without a JSON parse (``ChunkEncoder.token``); any other event costs one
-``json.loads`` and a hand-written serialization that the tests hold to the generated code's bytes.
-One pod read is one ASGI send, however many events it holds.
+Per event: a pod read that is one vLLM token event differing from the stream's previous one only
+in its content becomes its message frame from its bytes alone (``ChunkEncoder.token_frame``: no
+JSON parse, the frame's head cached by content length); a token event in any other read is
+serialized from its bytes too (``ChunkEncoder.token``); any other event costs one ``json.loads``
+and a hand-written serialization that the tests hold to the generated code's bytes.
 """
 
 from __future__ import annotations

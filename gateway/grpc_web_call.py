@@ -7,8 +7,11 @@
 - out: ``send`` turns the relay's ASGI messages into gRPC-Web. A JSON error with its HTTP status
   becomes a Trailers-Only answer (``grpc-status`` in the headers, HTTP 200); an SSE stream becomes
   one ChatCompletionChunk frame per event and a trailers frame at its end (an SSE error event sets
-  the trailers' status); a whole JSON answer becomes one message frame. One pod read is one ASGI
-  send, however many events it holds.
+  the trailers' status); a whole JSON answer becomes one message frame.
+- splice: once the stream's headers are out, ``splice_target`` gives the relay's splice (see
+  ``transports/client_socket.py``) the client's own target behind a translating sink, so the pod's
+  reads become frames written from the pod connection's callback, with no ASGI send per read.
+  Without a target (a server the splice does not know) one pod read is one ASGI send.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from gateway.exchange import Receive, Send
 from gateway.grpc_web_chunks import ChunkEncoder, parse_json
 from gateway.grpc_web_messages import as_chunk, chunk_message, completion_message, openai_body
 from transports import grpc_web as codec
+from transports.client_socket import client_socket
 from transports.grpc_web import Status
 from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.sse import event_data, stream_incomplete
@@ -160,10 +164,7 @@ class Call:
         if message["type"] == "http.response.body":
             mode = self._mode
             if mode is _STREAM:
-                body = message.get("body", b"")
-                if body:
-                    self._previous, self._last = self._last, body
-                out = self._frames(body)
+                out = self._frames(message.get("body", b""))
                 more = message.get("more_body", False)
                 if not more:
                     self._judge_end()
@@ -209,8 +210,22 @@ class Call:
     def _response_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"content-type", codec.response_content_type(self._text)), *self._passed_back, *self._cors]
 
+    def splice_target(self) -> Splice | None:
+        """Where the relay's splice may write a streaming answer: the client's socket, through the
+        translation (None before the stream's headers, or when the connection has no socket to splice to)."""
+        if self._mode is not _STREAM:
+            return None
+        socket = client_socket(self._client_send)
+        return None if socket is None else Splice(self, socket)
+
     def _frames(self, body: bytes) -> bytes:
         """The message frames for the complete SSE events in what the relay has sent so far."""
+        if body:
+            self._previous, self._last = self._last, body
+            if not self._rest and not self._failed:  # the commonest read: one whole token event
+                frame = self._chunks.token_frame(body)
+                if frame is not None:
+                    return frame
         buf = self._rest + body if self._rest else body
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
@@ -315,6 +330,44 @@ class Call:
             self._client_send, 200, status, message or f"HTTP {http_status}", self._cors, self._passed_back,
             self._text,
         )  # fmt: skip
+
+
+class Splice:
+    """The relay's splice target for a gRPC-Web stream: SSE bytes in, gRPC-Web frames to the client's socket.
+
+    The relay hands the pod's bytes from the pod connection's parser callback to a sink (see
+    ``transports/client_socket.py``); this one translates them as ``Call.send`` would (the same
+    state: a call's bytes go one way or the other, in order) and passes the frames to the client
+    socket's own sink, which keeps its flow control and its stop on a closing connection. A read
+    with no complete event writes nothing (an empty chunk would end the HTTP/1.1 body).
+    """
+
+    __slots__ = ("_call", "_socket")
+
+    def __init__(self, call: Call, socket: Any) -> None:
+        self._call = call
+        self._socket = socket
+
+    def writer(self, upstream: Any) -> Callable[[bytes], None]:
+        """A sink for the pod's body chunks, as ``ClientSocket.writer``'s."""
+        write = self._socket.writer(upstream)
+        frames = self._call._frames
+        if self._call._text:
+            encode_text = codec.encode_text
+
+            def text_sink(body: bytes) -> None:
+                out = frames(body)
+                if out:
+                    write(encode_text(out))
+
+            return text_sink
+
+        def sink(body: bytes) -> None:
+            out = frames(body)
+            if out:
+                write(out)
+
+        return sink
 
 
 # Modes of a call's response, as the relay's messages reveal it.

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from gateway.grpc_web_messages import chunk_message
+from transports.grpc_web import encode_message
 
 
 class ChunkEncoder:
@@ -29,9 +30,16 @@ class ChunkEncoder:
     that content (checked once per template by parsing a probe), so it needs no ``json.loads``.
     vLLM's token events differ only in their content, so after the first one a token costs a
     prefix and a suffix comparison. Any other event falls back to the parse.
+
+    ``token_frame(read)`` goes one step further for the commonest pod read of all, one whole token
+    event (``data: {...}\n\n``): the finished message frame, everything but the content taken from
+    a cache keyed by the content's length (the only thing the lengths in the frame depend on).
     """
 
-    __slots__ = ("_choice_head", "_head", "_key", "_prefix", "_suffix", "_tail")
+    __slots__ = (
+        "_choice_head", "_event_prefix", "_event_suffix", "_frame_heads", "_head", "_key", "_prefix",
+        "_suffix", "_tail",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._key: tuple[Any, Any, Any] | None = None
@@ -40,6 +48,9 @@ class ChunkEncoder:
         self._suffix = b""
         self._choice_head = b""
         self._tail = b""
+        self._event_prefix: bytes | None = None  # the template as one whole SSE event
+        self._event_suffix = b""
+        self._frame_heads: dict[int, bytes] = {}  # content length → the frame's bytes before the content
 
     def token(self, data: bytes) -> bytes | None:
         """The serialized chunk for a token event that fits the learned template, else None."""
@@ -54,11 +65,42 @@ class ChunkEncoder:
                 text.decode()
             except UnicodeDecodeError:
                 return None
+        return self._token_payload(text)
+
+    def token_frame(self, read: bytes) -> bytes | None:
+        """The message frame for a read that is exactly one token event fitting the template, else None."""
+        prefix = self._event_prefix
+        if prefix is None or not read.startswith(prefix) or not read.endswith(self._event_suffix):
+            return None
+        end = len(read) - len(self._event_suffix)
+        text = read[len(prefix) : end]
+        if len(prefix) > end or _SPECIAL.search(text) is not None:  # (no newline either: one event)
+            return None
+        if not text.isascii():
+            try:
+                text.decode()
+            except UnicodeDecodeError:
+                return None
+        n = len(text)
+        head = self._frame_heads.get(n)
+        if head is None:
+            frame = encode_message(self._token_payload(bytes(n)))
+            head = frame[: len(frame) - n - len(self._tail)]
+            if n < _CACHED_LENGTHS:
+                self._frame_heads[n] = head
+        return head + text + self._tail
+
+    def _token_payload(self, text: bytes) -> bytes:
         return (
             self._head
             + _len_field(0x22, self._choice_head + _len_field(0x12, _len_field(0x12, text)))
             + self._tail
         )
+
+    def _forget(self) -> None:
+        """No template from here on (until the next one is learned)."""
+        self._prefix = self._event_prefix = None
+        self._frame_heads = {}
 
     def encode(self, event: dict[str, Any], data: bytes | None = None) -> bytes:
         """The serialized chunk; with the event's raw ``data``, also learn it as a template."""
@@ -67,7 +109,7 @@ class ChunkEncoder:
             if key != self._key:
                 self._head = _str_field(0x0A, key[0]) + _int_field(0x10, key[1]) + _str_field(0x1A, key[2])
                 self._key = key
-                self._prefix = None
+                self._forget()
             parts = [self._head]
             choices = event.get("choices") or ()
             for c in choices:
@@ -87,7 +129,8 @@ class ChunkEncoder:
                 self._learn(event, data, tail)
             return b"".join(parts)
         except _Unusual:
-            self._key = self._prefix = None
+            self._key = None
+            self._forget()
             return chunk_message(event).SerializeToString()
 
     def _learn(self, event: dict[str, Any], data: bytes, tail: bytes) -> None:
@@ -118,9 +161,14 @@ class ChunkEncoder:
             return
         self._prefix, self._suffix, self._tail = prefix, suffix, tail
         self._choice_head = _int_field(0x08, choice.get("index"))
+        self._frame_heads = {}
+        self._event_prefix = None
+        if b"\n" not in data and b"\r" not in data:  # else not one ``data:`` line as it stands
+            self._event_prefix, self._event_suffix = b"data: " + prefix, suffix + b"\n\n"
 
 
 _CONTENT = b'"content":"'
+_CACHED_LENGTHS = 256  # frame heads kept for contents shorter than this (a token is a few bytes)
 _SPECIAL = re.compile(rb'["\\\x00-\x1f]')
 
 

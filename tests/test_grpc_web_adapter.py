@@ -521,3 +521,136 @@ def test_no_template_is_learned_from_an_event_whose_gap_is_not_the_content(event
     encoder.encode(json.loads(event), event)
     later = event.replace(b'"a"', b'"zz"', 1)
     assert encoder.token(later) is None
+
+
+def test_a_whole_token_read_becomes_its_frame_as_the_parse_would_make_it() -> None:
+    """``token_frame``: one read holding exactly one token event → the finished message frame,
+    byte for byte what the parse path makes (contents of every length class: the lengths in the
+    frame are cached by content length, and 128 bytes need a second varint byte)."""
+    encoder = ChunkEncoder()
+    events = [FMT.first, *(FMT.token(t.encode()) for t in [*TOKENS, "y" * 127, "z" * 128, "w" * 127])]
+    other = StreamFormat(chat=True, request_id="chatcmpl-2", created=1795430775, model="llama-8b")
+    events += [other.token(b" new"), other.token(b" stream")]  # a new id: the old template must not apply
+    framed = []
+    for read in events:
+        data = _raw(read)
+        expected = codec.encode_message(chunk_message(json.loads(data)).SerializeToString())
+        frame = encoder.token_frame(read)
+        framed.append(frame is not None)
+        if frame is None:
+            frame = codec.encode_message(encoder.token(data) or encoder.encode(json.loads(data), data))
+        assert frame == expected, read
+        assert encoder.token_frame(read[:-1]) is None and encoder.token_frame(b":\n\n" + read) is None
+        assert encoder.token_frame(read + read) is None  # two events in one read: not one frame
+    # framed: every plain token after the first of its stream (escapes are parsed)
+    assert framed == [False, False, True, True, True, False, False, False, False,
+                      True, True, True, True, True, False, True]  # fmt: skip
+
+
+def test_no_whole_event_template_from_a_multi_line_event() -> None:
+    """An event whose JSON spans ``data:`` lines is learned for ``token`` but not as one read."""
+    event = b'{"id":"c","choices":[{"index":0,\n"delta":{"content":"a"}}]}'
+    encoder = ChunkEncoder()
+    encoder.encode(json.loads(event), event)
+    assert encoder.token(event.replace(b'"a"', b'"b"')) is not None
+    assert encoder.token_frame(b"data: " + event.replace(b'"a"', b'"b"') + b"\n\n") is None
+
+
+class _Transport:
+    """The client's transport as the splice sees it: what is written to it."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class _Flow:
+    write_paused = False
+
+
+class _Cycle:
+    """uvicorn's HTTP/1.1 request cycle, as far as ``client_socket`` looks: a chunked response's
+    transport and flow control, and its ``send``."""
+
+    def __init__(self) -> None:
+        self.transport = _Transport()
+        self.flow = _Flow()
+        self.chunked_encoding: bool | None = None
+        self.sent: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.chunked_encoding = True
+        self.sent.append(message)
+
+
+class _Pod:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _chunked(data: bytes) -> bytes:
+    """The payloads of an HTTP/1.1 chunked body's chunks, joined."""
+    out, pos = b"", 0
+    while pos < len(data):
+        end = data.index(b"\r\n", pos)
+        size = int(data[pos:end], 16)
+        assert size > 0  # a zero-size chunk would end the body
+        out += data[end + 2 : end + 2 + size]
+        pos = end + 2 + size + 2
+    return out
+
+
+@pytest.mark.parametrize("text", [False, True])
+async def test_the_relays_splice_writes_the_same_frames_to_the_client_socket(text: bool) -> None:
+    """Under uvicorn's HTTP/1.1 the relay splices a gRPC-Web stream too: ``client_socket(send)``
+    gives the call's target, whose sink translates each pod read and writes the frames to the
+    client's socket (nothing for a read without a whole event); the answer ends through ``send``."""
+    cycle = _Cycle()
+    content_type = b"application/grpc-web-text" if text else b"application/grpc-web+proto"
+    body = codec.encode_message(REQUEST.SerializeToString())
+    e = [event + b"\n\n" for event in SSE.split(b"\n\n") if event]
+    pieces = [e[0][:7], e[0][7:], e[1], e[2], e[3][:1], e[3][1:] + e[4]]  # (whole token events: e[1], e[2])
+    pod = _Pod()
+    sink: Any = None
+
+    async def relay(scope: dict[str, Any], receive: Any, send: Any, route: str) -> None:
+        await receive()
+        assert client_socket(send) is None  # nothing started yet: nothing to splice to
+        for message in sse_script()[:1]:
+            await send(message)
+        socket = client_socket(send)
+        assert socket is not None
+        nonlocal sink
+        sink = socket.writer(pod)
+        for piece in pieces:
+            sink(piece)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    relay.config = Config()  # type: ignore[attr-defined]
+    scope = {"type": "http", "method": "POST", "path": STREAM, "headers": [(b"content-type", content_type)]}
+    receive = body_receive(codec.encode_text(body) if text else body)
+    await GrpcWebEndpoint(relay)(scope, receive, cycle.send)  # type: ignore[arg-type]
+    assert len(cycle.transport.written) == 4  # the 7 bytes and the 1 byte finished no event
+    spliced = b"".join(
+        codec.decode_text(w) if text else w for w in map(_chunked, cycle.transport.written)
+    )
+    end = cycle.sent[-1]["body"]
+    chunks, trailers = messages_and_trailers(spliced + (codec.decode_text(end) if text else end))
+    assert "".join(c.choices[0].delta.content for c in chunks) == " one two three"
+    assert trailers == {"grpc-status": "0"} and not pod.closed
+    cycle.transport.closing = True  # the client left: the client socket's sink stops reading the pod
+    sink(e[1])
+    assert pod.closed and len(cycle.transport.written) == 4
