@@ -68,6 +68,9 @@ def relayed_usage(ex: Exchange, metrics: GatewayMetrics) -> None:
             metrics.tokens.labels(ex.model_label, kind).inc(value)
 
 
+_ASK_USAGE = b'{"stream_options":{"include_usage":true},'
+
+
 def ask_for_usage(req: InferenceRequest) -> tuple[InferenceRequest, bool]:
     """The request as the pod should get it so that it reports usage, and whether the usage must be
     stripped from the client's answer (it did not ask for it).
@@ -90,7 +93,14 @@ def ask_for_usage(req: InferenceRequest) -> tuple[InferenceRequest, bool]:
     # usage key the client never saw before; without include_usage it meant nothing, so drop it.
     options.pop("continuous_usage_stats", None)
     payload = {**req.payload, "stream_options": options}
-    return InferenceRequest(req.route, req.model, req.stream, encode_body(payload), payload), True
+    body = req.body
+    if "stream_options" not in req.payload and body[:1] == b"{" and body[1:2] not in (b"\x00", b"}"):
+        # The common case, no stream_options at all: the key goes in front of the client's own bytes
+        # rather than the whole body being encoded again (~25 µs a request for a short chat).
+        body = _ASK_USAGE + body[1:]
+    else:
+        body = encode_body(payload)
+    return InferenceRequest(req.route, req.model, req.stream, body, payload), True
 
 
 def wants_usage(payload: dict[str, Any]) -> bool:

@@ -44,6 +44,23 @@ def test_a_streaming_request_that_did_not_ask_is_asked_and_marked_for_stripping(
     assert wants_usage(req.payload)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        json.dumps(CHAT, indent=2).encode(),  # as a person types it
+        json.dumps({**CHAT, "messages": [{"role": "user", "content": "café ☕"}]}, ensure_ascii=False)
+        .encode(),
+        b"  " + json.dumps(CHAT).encode(),  # leading whitespace: encoded again instead
+        json.dumps(CHAT).encode("utf-16"),  # JSON in UTF-16 (json.loads reads it): encoded again
+    ],
+)
+def test_the_usage_request_reads_as_the_clients_body_plus_the_option(body: bytes) -> None:
+    payload = json.loads(body)
+    req, strip = ask_for_usage(InferenceRequest("chat", "m", True, body, payload))
+    assert strip is True
+    assert json.loads(req.body) == {**payload, "stream_options": {"include_usage": True}} == req.payload
+
+
 def test_other_stream_options_stay_and_continuous_usage_goes() -> None:
     # continuous_usage_stats means nothing without include_usage; with it, every chunk would grow usage
     asked = {**CHAT, "stream_options": {"include_usage": False, "continuous_usage_stats": True, "x": 1}}
