@@ -69,6 +69,8 @@ bench: bench-deps  ## direct vs gateway vs nginx; installs nginx from Debian whe
 	$(BIN)/python -m loadtest.bench_shed $(BENCH_SHED_ARGS)
 	$(BIN)/python -m loadtest.bench_reaction $(BENCH_REACTION_ARGS)
 	$(BIN)/python -m loadtest.bench_transports $(BENCH_TRANSPORT_ARGS)
+	$(BIN)/python -m loadtest.bench_h2 $(BENCH_H2_ARGS)
+	$(BIN)/python -m loadtest.bench_workers $(BENCH_WORKERS_ARGS)
 	$(BIN)/python -m loadtest.bench_overload $(BENCH_OVERLOAD_ARGS)
 	$(BIN)/python -m loadtest.bench_overload --health-delay-ms 1500 --section overload-slow-health $(BENCH_OVERLOAD_ARGS)
 	$(BIN)/python -m loadtest.bench_attacks $(BENCH_ATTACK_ARGS)

@@ -220,21 +220,25 @@ def gateway_config(pod_url: str, keys_file: Path, features: bool = True) -> tupl
 
 
 def start_gateway(
-    pod_url: str, pin: bool, workdir: Path, *, features: bool = True, workers: int = 1
-) -> tuple[GatewayProcess, dict[str, str]]:
-    """``sluicegate serve`` in front of one pod (models discovered, as with ``--upstream``), on the
-    proxy core(s); ready once ``/readyz`` answers 200. Returns it and the headers requests need."""
-    config, key = gateway_config(pod_url, workdir / "keys.yaml", features)
+    pod_url: str, pin: bool, config: dict[str, Any] | None = None, workers: int = 1
+) -> GatewayProcess:
+    """``sluicegate serve`` in front of one pod (models discovered, as with ``--upstream``) with
+    ``config`` (default: ``serve --upstream``'s), on the proxy core (several workers: unpinned);
+    ready once ``/readyz`` answers 200."""
     extra = ["--workers", str(workers)] if workers > 1 else []
-    cpu = (PROXY_CORE if workers == 1 else None) if pin else None
-    gateway = GatewayProcess(config, cpu=cpu, extra_args=extra)
+    cpu = PROXY_CORE if pin and workers == 1 else None
+    gateway = GatewayProcess(config or {"pods": [{"name": "pod", "url": pod_url}]}, cpu=cpu, extra_args=extra)
     gateway.start()
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     if wait_ready(gateway):
-        return gateway, headers
+        return gateway
     tail = gateway.log()[-3000:]
     gateway.__exit__(None, None, None)
     raise RuntimeError(f"the gateway never became ready; its log ends with:\n{tail}")
+
+
+def auth_headers(key: str | None) -> dict[str, str]:
+    """The headers that carry ``key`` (none without one)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def wait_ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> bool:
@@ -410,11 +414,9 @@ def run_once(
         base = pod.url
         headers: dict[str, str] = {}
         if target.startswith("gateway"):
-            proxy, headers = start_gateway(
-                pod.url, pin, workdir, features=target != "gateway-plain",
-                workers=2 if target == "gateway-2w" else 1,
-            )
-            base = proxy.url
+            config, key = gateway_config(pod.url, workdir / "keys.yaml", features=target != "gateway-plain")
+            proxy = start_gateway(pod.url, pin, config, workers=2 if target == "gateway-2w" else 1)
+            base, headers = proxy.url, auth_headers(key)
         elif target == "nginx":
             proxy = NginxProcess(pod.url, workdir / "nginx", command_prefix=pin_prefix(PROXY_CORE, pin))
             proxy.start()

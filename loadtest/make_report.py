@@ -60,6 +60,8 @@ STEPS: list[tuple[str, list[str]]] = [
     ("shed", ["loadtest.bench_shed", "--write-md", "{md}"]),
     ("reaction", ["loadtest.bench_reaction", "--write-md", "{md}"]),
     ("transports", ["loadtest.bench_transports", "--write-md", "{md}"]),
+    ("h2", ["loadtest.bench_h2", "--write-md", "{md}"]),
+    ("workers", ["loadtest.bench_workers", "--write-md", "docs/operations.md"]),
     ("overload", ["loadtest.bench_overload", "--write-md", "{md}"]),
     ("overload-slow-health", ["loadtest.bench_overload", "--health-delay-ms", "1500",
                               "--section", "overload-slow-health", "--write-md", "{md}"]),
