@@ -27,7 +27,7 @@ from gateway.exchange import Receive, Send
 from gateway.grpc_web_chunks import ChunkEncoder, parse_json
 from gateway.grpc_web_messages import as_chunk, chunk_message, completion_message, openai_body
 from transports import grpc_web as codec
-from transports.client_socket import client_socket
+from transports.client_socket import Sink, SpliceTarget, Upstream, client_socket
 from transports.grpc_web import Status
 from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.sse import event_data, stream_incomplete
@@ -333,23 +333,24 @@ class Call:
 
 
 class Splice:
-    """The relay's splice target for a gRPC-Web stream: SSE bytes in, gRPC-Web frames to the client's socket.
+    """The relay's splice target for a gRPC-Web stream: SSE bytes in, gRPC-Web frames out.
 
     The relay hands the pod's bytes from the pod connection's parser callback to a sink (see
     ``transports/client_socket.py``); this one translates them as ``Call.send`` would (the same
-    state: a call's bytes go one way or the other, in order) and passes the frames to the client
-    socket's own sink, which keeps its flow control and its stop on a closing connection. A read
-    with no complete event writes nothing (an empty chunk would end the HTTP/1.1 body).
+    state: a call's bytes go one way or the other, in order) and passes the frames to the sink of
+    the client connection's own target (HTTP/1.1 socket, HTTP/2 stream), which keeps its flow
+    control and its stop on a client that left. A read with no complete event writes nothing (an
+    empty chunk would end an HTTP/1.1 body).
     """
 
     __slots__ = ("_call", "_socket")
 
-    def __init__(self, call: Call, socket: Any) -> None:
+    def __init__(self, call: Call, socket: SpliceTarget) -> None:
         self._call = call
         self._socket = socket
 
-    def writer(self, upstream: Any) -> Callable[[bytes], None]:
-        """A sink for the pod's body chunks, as ``ClientSocket.writer``'s."""
+    def writer(self, upstream: Upstream) -> Sink:
+        """A sink for the pod's body chunks, as ``SpliceTarget.writer``'s."""
         write = self._socket.writer(upstream)
         frames = self._call._frames
         if self._call._text:
