@@ -234,7 +234,7 @@ class Call:
         if not events or self._failed:
             return b""
         out = []
-        token, encode = self._chunks.token, self._chunks.encode
+        data_frame, encode = self._chunks.data_frame, self._chunks.encode
         for event in events:
             if event.startswith(b"data: ") and b"\n" not in event:
                 data: bytes | None = event[6:]
@@ -245,21 +245,23 @@ class Call:
             if data == b"[DONE]":
                 self._ended = True
                 continue
-            payload = token(data)
-            if payload is None:
-                try:
-                    chunk = parse_json(data)
-                    if "error" in chunk:
-                        self._fail(chunk["error"])
-                        break
-                    for choice in chunk.get("choices") or ():  # (template tokens never finish)
-                        if choice.get("finish_reason") is not None:
-                            self._finished.add(choice.get("index") or 0)
-                    payload = encode(chunk, data)
-                except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
-                    # A malformed event carries nothing a client could use: skip it, as SSE clients do.
-                    log.debug("skipping a malformed event: %.200r", data)
-                    continue
+            frame = data_frame(data)
+            if frame is not None:
+                out.append(frame)
+                continue
+            try:
+                chunk = parse_json(data)
+                if "error" in chunk:
+                    self._fail(chunk["error"])
+                    break
+                for choice in chunk.get("choices") or ():  # (template tokens never finish)
+                    if choice.get("finish_reason") is not None:
+                        self._finished.add(choice.get("index") or 0)
+                payload = encode(chunk, data)
+            except (ValueError, TypeError, AttributeError, KeyError, RecursionError):
+                # A malformed event carries nothing a client could use: skip it, as SSE clients do.
+                log.debug("skipping a malformed event: %.200r", data)
+                continue
             out.append(codec.encode_message(payload))
         return b"".join(out)
 

@@ -34,6 +34,7 @@ class ChunkEncoder:
     ``token_frame(read)`` goes one step further for the commonest pod read of all, one whole token
     event (``data: {...}\n\n``): the finished message frame, everything but the content taken from
     a cache keyed by the content's length (the only thing the lengths in the frame depend on).
+    ``data_frame(data)`` does the same for one event's data, in a read that holds several.
     """
 
     __slots__ = (
@@ -54,33 +55,23 @@ class ChunkEncoder:
 
     def token(self, data: bytes) -> bytes | None:
         """The serialized chunk for a token event that fits the learned template, else None."""
-        prefix, suffix = self._prefix, self._suffix
-        if prefix is None or not data.startswith(prefix) or not data.endswith(suffix):
-            return None
-        text = data[len(prefix) : len(data) - len(suffix)]
-        if len(text) + len(prefix) + len(suffix) != len(data) or _SPECIAL.search(text) is not None:
-            return None
-        if not text.isascii():
-            try:
-                text.decode()
-            except UnicodeDecodeError:
-                return None
-        return self._token_payload(text)
+        prefix = self._prefix
+        text = None if prefix is None else _content(data, prefix, self._suffix)
+        return None if text is None else self._token_payload(text)
 
     def token_frame(self, read: bytes) -> bytes | None:
         """The message frame for a read that is exactly one token event fitting the template, else None."""
         prefix = self._event_prefix
-        if prefix is None or not read.startswith(prefix) or not read.endswith(self._event_suffix):
-            return None
-        end = len(read) - len(self._event_suffix)
-        text = read[len(prefix) : end]
-        if len(prefix) > end or _SPECIAL.search(text) is not None:  # (no newline either: one event)
-            return None
-        if not text.isascii():
-            try:
-                text.decode()
-            except UnicodeDecodeError:
-                return None
+        text = None if prefix is None else _content(read, prefix, self._event_suffix)
+        return None if text is None else self._frame(text)  # (no newline in it: one event)
+
+    def data_frame(self, data: bytes) -> bytes | None:
+        """The message frame for one event's data, when it is a token event fitting the template."""
+        prefix = self._prefix
+        text = None if prefix is None else _content(data, prefix, self._suffix)
+        return None if text is None else self._frame(text)
+
+    def _frame(self, text: bytes) -> bytes:
         n = len(text)
         head = self._frame_heads.get(n)
         if head is None:
@@ -170,6 +161,26 @@ class ChunkEncoder:
 _CONTENT = b'"content":"'
 _CACHED_LENGTHS = 256  # frame heads kept for contents shorter than this (a token is a few bytes)
 _SPECIAL = re.compile(rb'["\\\x00-\x1f]')
+
+
+def _content(data: bytes, prefix: bytes, suffix: bytes) -> bytes | None:
+    """The bytes between ``prefix`` and ``suffix`` when ``data`` is just those three and they are a
+    JSON string's content that needs no unescaping (no quote, backslash or control character) in
+    valid UTF-8; else None."""
+    if not data.startswith(prefix) or not data.endswith(suffix):
+        return None
+    end = len(data) - len(suffix)
+    if len(prefix) > end:  # prefix and suffix overlap
+        return None
+    text = data[len(prefix) : end]
+    if _SPECIAL.search(text) is not None:
+        return None
+    if not text.isascii():
+        try:
+            text.decode()
+        except UnicodeDecodeError:
+            return None
+    return text
 
 
 class _Unusual(Exception):

@@ -104,6 +104,8 @@ def test_a_learned_token_template_serializes_exactly_what_a_parse_would(
     for _ in range(2):  # the whole read as one frame; the second time from the cached frame head
         frame = encoder.token_frame(b"data: " + data + b"\n\n")
         assert frame is None or frame == codec.encode_message(expected)
+        frame = encoder.data_frame(data)
+        assert frame is None or frame == codec.encode_message(expected)
 
 
 @given(st.binary(max_size=200))

@@ -537,6 +537,7 @@ def test_a_whole_token_read_becomes_its_frame_as_the_parse_would_make_it() -> No
         expected = codec.encode_message(chunk_message(json.loads(data)).SerializeToString())
         frame = encoder.token_frame(read)
         framed.append(frame is not None)
+        assert encoder.data_frame(data) == frame  # one event's data in a read of several: the same
         if frame is None:
             frame = codec.encode_message(encoder.token(data) or encoder.encode(json.loads(data), data))
         assert frame == expected, read
