@@ -16,15 +16,18 @@ What aioquic leaves to its user, and how it is done here (see docs/transports.md
 - **Back-pressure.** aioquic queues whatever is written to a stream without limit. A ``send()`` whose
   stream has more than ``HIGH_WATER`` bytes not yet put into packets (the peer's flow-control window
   or the congestion window holds them back) waits until ``transmit()`` has sent it below
-  ``LOW_WATER``; ``transmit()`` runs after every datagram received (ACKs, MAX_STREAM_DATA) and timer.
-  So a client that stops reading costs its window plus ``HIGH_WATER`` per stream, no more.
-- **One transmit per connection per loop turn**: sends only schedule ``transmit`` (aioquic's
-  ``_transmit_soon``), which builds and encrypts the packets for everything written meanwhile.
-  Two exceptions, both for the time to first token: a response's first DATA (the first token, with
-  the HEADERS framed just before it) is transmitted at once, in ``send()``; and after a datagram
-  that opened a request stream, the transmit aioquic runs for it (building and encrypting what it
-  owes the client: flow-control credit, stream limits, ACKs; ~0.2 ms) waits one loop turn, so that
-  the new request's task runs first and its pod request leaves before it.
+  ``LOW_WATER``; ``transmit()`` runs in the loop turn after every datagram received (ACKs,
+  MAX_STREAM_DATA) and on every timer. So a client that stops reading costs its window plus
+  ``HIGH_WATER`` per stream, no more. The relay's body chunks arrive by splice
+  (``AsgiStream.writer``, as for HTTP/2): a ``False`` from ``send_data`` pauses the pod's reads.
+- **One transmit per connection per loop turn**: sends and received datagrams (mostly the client's
+  ACKs) only schedule ``transmit`` (aioquic's ``_transmit_soon``; aioquic's own
+  ``datagram_received`` transmits at once, a scan of every stream per datagram), which builds and
+  encrypts the packets for everything written meanwhile; a new request's task, scheduled by its
+  datagram, runs before that transmit, so its pod request leaves first. One exception, for the time
+  to first token: a response's first DATA (the first token, with the HEADERS framed just before it)
+  is transmitted at once, in ``send()``. ``transports.h3_aioquic`` makes each transmit walk the
+  streams once rather than twice per packet.
 - **Graceful shutdown**: ``shutdown()`` sends an HTTP/3 GOAWAY on the control stream, refuses newer
   request streams (H3_REQUEST_REJECTED), and closes the connection when the open ones end.
 - **Early answers** (a 413 for an oversized body, a 400/401/429 or a gRPC error decided before the
@@ -66,6 +69,7 @@ from aioquic.quic.events import (
 )
 from aioquic.quic.packet import QuicErrorCode
 
+from transports import h3_aioquic
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
 from transports.h3_guard import H3Limits, H3Stats, apply_stream_limits, bound_crypto_buffers, serve_guarded
 
@@ -112,6 +116,8 @@ def _unsent(quic: QuicConnection, stream_id: int) -> int:
 class H3Protocol(QuicConnectionProtocol):
     """One QUIC connection speaking HTTP/3 to the ASGI app."""
 
+    splices = True  # streams take the relay's body chunks from a callback (``AsgiStream.writer``)
+
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *, listener: H3Listener) -> None:
         super().__init__(quic, stream_handler)
         self.listener = listener
@@ -127,7 +133,6 @@ class H3Protocol(QuicConnectionProtocol):
         self._highest_stream = -4
         self._blocked: dict[int, AsgiStream] = {}
         self._fresh: set[int] = set()  # streams whose response HEADERS are written, not yet transmitted
-        self._opened = False  # the datagram being handled opened a request stream: defer its transmit
         # early-answered requests whose upload is still accepted: [bytes left, deadline timer]
         self._draining: dict[int, list[Any]] = {}
         apply_stream_limits(quic, self.limits)
@@ -146,17 +151,16 @@ class H3Protocol(QuicConnectionProtocol):
         self.server_state.connections.add(self)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        # aioquic's own version ends with transmit(), a scan of every stream and a packet built,
+        # per datagram (mostly the client's ACKs); deferred, one transmit serves every datagram and
+        # every send of this loop turn (and a new request's task, scheduled already, goes first).
         if self.client is None:
             self.client = peer_address(addr)
-        super().datagram_received(data, addr)
+        self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
+        self._process_events()
+        self._transmit_soon()
 
     def transmit(self) -> None:
-        if self._opened:
-            # Called by aioquic at the end of datagram_received: the new request's task (scheduled
-            # already) goes first, then this transmit.
-            self._opened = False
-            self._transmit_soon()
-            return
         super().transmit()
         self._fresh.clear()
         if self._blocked:
@@ -261,7 +265,6 @@ class H3Protocol(QuicConnectionProtocol):
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        self._opened = True
 
     def _on_cancel(self, stream_id: int, request_reset: bool) -> None:
         """STOP_SENDING (our sending side is already reset) or RESET_STREAM of the request."""
@@ -449,6 +452,7 @@ class H3Listener:
             return H3Protocol(quic, stream_handler, listener=self)
 
         bound_crypto_buffers(self.limits.max_crypto_buffer_bytes)
+        h3_aioquic.apply()
         self.server = await serve_guarded(
             host, port, limits=self.limits, stats=self.stats,
             configuration=self.configuration, create_protocol=create_protocol,
