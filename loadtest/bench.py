@@ -603,38 +603,39 @@ def render_tables(rows: list[Row]) -> str:
 
 
 def check_targets(rows: list[Row]) -> list[str]:
-    """The issue's acceptance targets, each marked met / missed / not measured."""
+    """The acceptance targets (the gateway with every feature on against nginx in the same run),
+    each marked met / MISSED / not measured."""
     lines = []
     a_direct, a_gw = _find(rows, "a", "direct"), _find(rows, "a", "gateway")
     if a_direct and a_gw and a_direct.ttft_p50 is not None and a_gw.ttft_p50 is not None:
         added = a_gw.ttft_p50 - a_direct.ttft_p50
-        verdict = "met" if added <= 1.0 else "MISSED"
-        lines.append(f"- {verdict}: added TTFT p50 at 1 stream {added:.2f} ms (<= 1 ms)")
+        verdict = "met" if added <= 0.3 else "MISSED"
+        lines.append(f"- {verdict}: added TTFT p50 at 1 stream {added:.2f} ms (<= 0.3 ms)")
     else:
         lines.append("- not measured: added TTFT p50 at 1 stream (needs a: direct and gateway)")
-    b_gw, b_ngx = _find(rows, "b", "gateway"), _find(rows, "b", "nginx")
-    if b_gw and b_ngx and b_gw.tokens_per_s and b_ngx.tokens_per_s:
-        ratio = b_gw.tokens_per_s / b_ngx.tokens_per_s
-        verdict = "met" if ratio >= 0.95 else "MISSED"
-        lines.append(f"- {verdict}: 100 streams, gateway tokens/s {ratio:.1%} of nginx's (>= 95%)")
-    else:
-        lines.append("- not measured: 100 streams tokens/s vs nginx (needs b: gateway and nginx)")
-    if b_gw:
-        verdict = "met" if b_gw.errors == 0 else "MISSED"
-        lines.append(f"- {verdict}: 100 streams, gateway errors {b_gw.errors} (0)")
-        if b_gw.cpu_total is not None:
-            verdict = "met" if b_gw.cpu_total <= 30 else "MISSED"
-            cost = f"{b_gw.cpu_total:.1f} CPU-ms per 1000 tokens"
-            lines.append(f"- {verdict}: 100 streams, gateway {cost} (<= 30)")
-    d_gw = _find(rows, "d", "gateway")
-    if d_gw:
-        ok = d_gw.errors == 0 and d_gw.completed_streams == d_gw.streams
+    for key in SCENARIOS:
+        gw, ngx = _find(rows, key, "gateway"), _find(rows, key, "nginx")
+        if gw is None or ngx is None or gw.cpu_total is None or not ngx.cpu_total:
+            lines.append(f"- not measured: ({key}) CPU per 1000 tokens against nginx's (needs both)")
+            continue
+        ratio = gw.cpu_total / ngx.cpu_total
+        verdict = "met" if ratio <= 1.5 else "MISSED"
+        if key in IDLE_SCENARIOS:  # the demo's pacing: reported, with its idle share, not a target
+            verdict = "reported"
         lines.append(
-            f"- {'met' if ok else 'MISSED'}: 2000 slow streams through the gateway, {d_gw.completed_streams} "
-            f"completed (worst repeat), {d_gw.errors} errors"
+            f"- {verdict}: ({key}) CPU per 1000 tokens {gw.cpu_total:.1f}, "
+            f"nginx's {ngx.cpu_total:.1f}: {ratio:.2f}x (<= 1.5x)"
         )
-    else:
-        lines.append("- not measured: 2000 slow streams through the gateway (needs d: gateway)")
+        if gw.errors or gw.completed_streams != gw.streams:
+            done = f"{gw.completed_streams} of {gw.streams} streams"
+            lines.append(f"- MISSED: ({key}) {gw.errors} errors, {done}")
+    d_gw, d_ngx = _find(rows, "d", "gateway"), _find(rows, "d", "nginx")
+    if d_gw and d_ngx and d_gw.peak_rss_mib and d_ngx.peak_rss_mib:
+        ratio = d_gw.peak_rss_mib / d_ngx.peak_rss_mib
+        lines.append(
+            f"- {'met' if ratio <= 1.2 else 'MISSED'}: (d) peak RSS {d_gw.peak_rss_mib:.0f} MiB, "
+            f"nginx's {d_ngx.peak_rss_mib:.0f} MiB: {ratio:.2f}x (<= 1.2x)"
+        )
     rss = [
         f"{r.scenario}: {r.peak_rss_mib:.0f} MiB" for r in rows if r.target == "gateway" and r.peak_rss_mib
     ]
