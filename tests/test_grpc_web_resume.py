@@ -29,8 +29,9 @@ class Setup:
     admin_url: str
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def setup() -> Iterator[Setup]:
+    """A fresh gateway per case: a pod that broke in one case may be out of rotation in the next."""
     with PodsimProcess(FAST) as good, PodsimProcess(FAST) as bad:
         config = {
             "server": {"host": "127.0.0.1"},
@@ -45,12 +46,6 @@ def setup() -> Iterator[Setup]:
             yield Setup(good, bad, gw.url, gw.admin_url)
 
 
-@pytest.fixture(autouse=True)
-def _clear(setup: Setup) -> Iterator[None]:
-    yield
-    httpx.delete(setup.bad.url + "/admin/faults")
-
-
 @pytest.mark.parametrize("fault", [{"drop_after": 5}, {"error_after": 5}])
 @pytest.mark.parametrize("text", [False, True])
 def test_a_broken_grpc_web_stream_reads_as_one_uninterrupted_answer(
@@ -58,7 +53,6 @@ def test_a_broken_grpc_web_stream_reads_as_one_uninterrupted_answer(
 ) -> None:
     expected = sse_text(setup.good.url, ASK)
     httpx.post(setup.bad.url + "/admin/faults", json=fault).raise_for_status()
-    before = counter_totals(setup.admin_url, "sluicegate_stream_resumes", "outcome").get("ok", 0.0)
     for _ in range(4):  # ties rotate between the pods, so some of these start on the bad one
         resp, payloads, status = grpc_web(setup.url, "StreamChatCompletion", ASK, text=text)
         assert resp.status_code == 200 and status == {"grpc-status": "0"}
@@ -66,5 +60,4 @@ def test_a_broken_grpc_web_stream_reads_as_one_uninterrupted_answer(
         assert "".join(c.choices[0].delta.content for c in chunks if c.choices) == expected
         assert len({c.id for c in chunks}) == 1
         assert sum(1 for c in chunks for choice in c.choices if choice.delta.role) == 1
-    after = counter_totals(setup.admin_url, "sluicegate_stream_resumes", "outcome").get("ok", 0.0)
-    assert after >= before + 1
+    assert counter_totals(setup.admin_url, "sluicegate_stream_resumes", "outcome").get("ok", 0.0) >= 1
