@@ -233,6 +233,7 @@ class StreamRelay:
             return upstream_truncated(pod.name, f"broke the stream mid-answer ({reason(exc)})."), True
         finally:
             stall.cancel()
+            resp.unsplice()  # the sinks hold resp: without this each stream is a reference cycle
             # here, not after the pump returns: a client that leaves cancels it, and what it was
             # sent must still be counted (the access log's chunks, sluicegate_stream_chunks_total)
             ex.chunks += resp.chunks

@@ -59,7 +59,10 @@ class _Tripwire(asyncio.Event):
                 logger.exception("disconnect callback failed")
 
     def disarm(self) -> None:
+        # The cycle holds this event and this event the cycle: dropping the reference lets the
+        # request's objects go when the request does, not at the collector's next pass.
         self._on_gone = None
+        self._cycle = None
 
 
 class Disarmable(Protocol):

@@ -171,6 +171,12 @@ class PodResponse:
             writer(self._chunks.popleft())
         self.sink = writer
 
+    def unsplice(self) -> None:
+        """Stop handing chunks to the writer, and let go of it (chunks queue again, unread). A writer
+        usually holds this response (to pause it), so keeping it would make every stream a cycle
+        that only the garbage collector frees."""
+        self.sink = None
+
     def pause_reading(self) -> None:
         self._conn.pause_reading()
 
