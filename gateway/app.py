@@ -34,8 +34,8 @@ from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import build_quotas
 from gateway.pods.credentials import PodAccess
+from gateway.pods.found import KubePod
 from gateway.pods.host import found_pods, start_host_loops
-from gateway.pods.kubernetes import KubePod
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 
 from gateway.config import PodCredentials
-from gateway.pods.kubernetes import KubePod
+from gateway.pods.found import KubePod
 from gateway.side_server import url_of
 
 log = logging.getLogger("sluicegate.dns")

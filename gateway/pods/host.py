@@ -11,7 +11,7 @@ from gateway.config import DiscoveryConfig, PodConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pods.discovery import discovery_loop, refresh_all
 from gateway.pods.dns import DnsDiscovery
-from gateway.pods.kubernetes import KubePod, KubernetesDiscovery
+from gateway.pods.found import KubePod
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 
@@ -35,6 +35,8 @@ async def start_host_loops(
         asyncio.create_task(monitor.run(), name="pod-monitor"),
     ]
     if discovery.kubernetes is not None:
+        from gateway.pods.kubernetes import KubernetesDiscovery  # its client only where it is used
+
         k8s = discovery.kubernetes
         watcher = KubernetesDiscovery(
             k8s.namespace, k8s.service, port_name=k8s.port_name, model_label=k8s.model_label,

@@ -21,7 +21,7 @@ import logging
 import random
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import httpx2
@@ -33,11 +33,11 @@ from lightkube.core.exceptions import NotReadyError
 from lightkube.core.selector import build_selector
 from lightkube.resources.core_v1 import Pod
 from lightkube.resources.discovery_v1 import EndpointSlice
-from pydantic import ValidationError
 
-from gateway.config import MigIdentity, PodConfig, PodCredentials
+from gateway.config import PodCredentials
 from gateway.health.k8s_device import MIG_RESOURCE_PREFIX
 from gateway.health.verdict import DeviceKey, DeviceVerdict
+from gateway.pods.found import KubePod
 from gateway.side_server import url_of
 
 log = logging.getLogger("sluicegate.kubernetes")
@@ -48,47 +48,6 @@ MIG_UUID_ANNOTATION = "sluicegate.io/mig-uuid"
 GPU_UUID_ANNOTATION = "sluicegate.io/gpu-uuid"
 GPU_INSTANCE_ANNOTATION = "sluicegate.io/gpu-instance-id"
 _PROFILE = re.compile(r"^(\d+g\.\d+gb)(?:[.+](\w+))?$")  # 1g.10gb, 1g.10gb.me → 1g.10gb+me
-
-
-@dataclass(frozen=True, slots=True)
-class KubePod:
-    """One pod behind the Service, as discovery last saw it (compare with ``==``; not hashable)."""
-
-    name: str  # namespace/name
-    url: str  # http://<endpoint address>:<port>
-    ready: bool = True  # the EndpointSlice says ready and not terminating
-    models: tuple[str, ...] = ()
-    labels: Mapping[str, str] = field(default_factory=dict)
-    node: str | None = None
-    mig_profile: str | None = None  # "1g.10gb", from a nvidia.com/mig-<profile> limit or request
-    mig_uuid: str | None = None  # MIG-...
-    gpu_uuid: str | None = None  # GPU-... (the parent GPU)
-    gpu_instance_id: int | None = None
-    device_health: tuple[DeviceVerdict, ...] = ()  # the kubelet's per-device health (KEP-4680)
-    credentials: PodCredentials | None = None  # the discovery source's, for vLLM's --api-key
-
-    def to_pod_config(self) -> PodConfig:
-        """The registry's view. ``mig`` needs the parent GPU's UUID or the slice's own MIG UUID (the
-        monitor learns the parent from the mig-agent or DCGM); without either, MIG facts stay here."""
-        mig = None
-        if self.gpu_uuid or self.mig_uuid:
-            try:
-                mig = MigIdentity(
-                    gpu_uuid=self.gpu_uuid,
-                    mig_uuid=self.mig_uuid,
-                    profile=self.mig_profile,
-                    gpu_instance_id=self.gpu_instance_id,
-                )
-            except ValidationError as exc:
-                log.warning("pod %s: MIG identity left out: %s", self.name, exc.errors()[0]["msg"])
-        return PodConfig(
-            name=self.name,
-            url=self.url,
-            models=self.models,
-            mig=mig,
-            labels=dict(self.labels),
-            credentials=self.credentials,
-        )
 
 
 def describe_pod(pod: Pod, url: str, ready: bool, model_label: str = "model") -> KubePod:
