@@ -28,7 +28,7 @@ The three promises the rest of the gateway relies on:
 
 The hot path, one body chunk: a dict lookup or two, one call into the connection (which frames it
 and schedules one write per connection per event-loop turn), no task, queue or copy of our own.
-Where the connection supports it (HTTP/2: ``splices``), the relay skips even the ASGI ``send`` for
+Where the connection supports it (HTTP/2 and HTTP/3: ``splices``), the relay skips even the ASGI ``send`` for
 the body after the first token: ``splice_target()``/``writer()`` hand each pod chunk to the
 connection from the pod's parser callback (``transports/client_socket.py``), with the same promises:
 reading from the pod pauses while the connection keeps a chunk back, under the same ``stall_s``, and
@@ -188,7 +188,7 @@ class AsgiStream:
 
     def splice_target(self) -> AsgiStream | None:
         """This stream, when its connection takes spliced body chunks (HTTP/2) and the response has
-        started and is open; else None (HTTP/3: ASGI sends)."""
+        started and is open; else None (a connection without ``splices``: ASGI sends)."""
         if self.started and not self.closed and getattr(self.conn, "splices", False):
             return self
         return None
