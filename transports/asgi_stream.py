@@ -187,7 +187,7 @@ class AsgiStream:
     # -- the relay's splice (transports/client_socket.py) -----------------------------------------
 
     def splice_target(self) -> AsgiStream | None:
-        """This stream, when its connection takes spliced body chunks (HTTP/2) and the response has
+        """This stream, when its connection takes spliced body chunks (HTTP/2, HTTP/3) and the response has
         started and is open; else None (a connection without ``splices``: ASGI sends)."""
         if self.started and not self.closed and getattr(self.conn, "splices", False):
             return self
