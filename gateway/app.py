@@ -34,8 +34,7 @@ from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import build_quotas
 from gateway.pods.credentials import PodAccess
-from gateway.pods.found import KubePod
-from gateway.pods.host import found_pods, start_host_loops
+from gateway.pods.host import start_host_loops
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.relay import Receive, Relay, Scope, Send
@@ -177,10 +176,6 @@ class Gateway:
             self.relay.hangups = None
             self._session = None
             self._pod_client = None
-
-    def discovered(self, pods: list[KubePod]) -> None:
-        """A new snapshot from Kubernetes or DNS (``gateway.pods.host.found_pods``)."""
-        found_pods(self.registry, self.monitor, self.config.pods, pods)
 
     async def list_models(self, _request: Request) -> Response:
         created = int(self.started)
