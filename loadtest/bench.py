@@ -229,11 +229,12 @@ def start_gateway(
     cpu = PROXY_CORE if pin and workers == 1 else None
     gateway = GatewayProcess(config or {"pods": [{"name": "pod", "url": pod_url}]}, cpu=cpu, extra_args=extra)
     gateway.start()
-    if wait_ready(gateway):
-        return gateway
-    tail = gateway.log()[-3000:]
-    gateway.__exit__(None, None, None)
-    raise RuntimeError(f"the gateway never became ready; its log ends with:\n{tail}")
+    try:
+        wait_ready(gateway)
+    except RuntimeError:
+        gateway.__exit__(None, None, None)
+        raise
+    return gateway
 
 
 def auth_headers(key: str | None) -> dict[str, str]:
@@ -241,15 +242,16 @@ def auth_headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def wait_ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> bool:
-    """Whether ``/readyz`` answered 200 (the pods discovered and probed) within ``timeout_s``."""
+def wait_ready(gateway: GatewayProcess, timeout_s: float = 15.0) -> None:
+    """Until ``/readyz`` answers 200 (the pods discovered and probed); a ``RuntimeError`` with the
+    end of the gateway's log if it does not within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, http.client.HTTPException):
             if _get_status(gateway.url + "/readyz") == 200:
-                return True
+                return
         time.sleep(0.05)  # readiness follows the pods' first health round: nothing to await here
-    return False
+    raise RuntimeError(f"the gateway never became ready; its log ends with:\n{gateway.log()[-3000:]}")
 
 
 def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
