@@ -51,8 +51,8 @@ from loadtest.bench import (
     gateway_config,
     pin_prefix,
     process_tree,
+    start_gateway,
     start_pod,
-    wait_ready,
 )
 from loadtest.bench_transports import H2Client, _insecure_context
 from loadtest.loadgen import DONE_MARKER, count_tokens
@@ -223,8 +223,7 @@ def run(args: argparse.Namespace, pin: bool) -> list[dict[str, Any]]:
             tls_port = free_tcp_and_udp_port()
             config["server"] = {"host": "127.0.0.1",
                                 "tls": {"cert": str(cert), "key": str(key), "port": tls_port, "h3": False}}
-            gateway = GatewayProcess(config, cpu=PROXY_CORE if pin else None).start()
-            wait_ready(gateway)
+            gateway = start_gateway(pod.url, pin, config)
             nginx = NginxProcess(pod.url, work / "nginx", command_prefix=pin_prefix(PROXY_CORE, pin),
                                  http2=True, tls_files=(cert, key)).start()
             gw_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
