@@ -61,7 +61,6 @@ def run_once(target: str, scenario: Scenario, scratch: Path) -> dict[str, Any]:
             user, system = cpu_delta_s(before, cpu_ticks(process_tree(gateway.pid) if gateway else []))
         finally:
             if gateway is not None:
-                gateway.stop()
                 gateway.__exit__(None, None, None)
             pod.stop()
             pod.close()
