@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.config import Config, ConfigError
 from gateway.config_load import parse_config
 from gateway.phases.limit import build_quotas
+from gateway.pods.host import resync_static
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -236,12 +237,10 @@ class ConfigWatcher:
             quotas = build_quotas(config, gateway.metrics)  # the first quota a reload sets
             if quotas is not None:
                 await quotas.start()
-        static = {pod.name for pod in running.pods}
-        discovered = [pod.config for pod in registry.pods if pod.name not in static]
         # From here on, nothing is awaited: the swap is whole.
         relay.reconfigure(config, quotas)
         if config.pods != running.pods:
-            registry.sync([*config.pods, *discovered])
+            resync_static(registry, running.pods, config.pods)
         tiers = getattr(gateway.keys, "tiers", None)
         if tiers is not None:  # the key store checks each key's tier against the config's
             gateway.keys.tiers = frozenset(config.tiers)

@@ -66,3 +66,12 @@ def found_pods(
         if pod is not None:
             registry.health_changed(pod, pod.health.set_draining(not found.ready))
     monitor.set_source("kubernetes", [v for p in pods for v in p.device_health])
+
+
+def resync_static(
+    registry: PodRegistry, running: tuple[PodConfig, ...], reloaded: tuple[PodConfig, ...]
+) -> None:
+    """A reload changed the config's pod list: ``reloaded`` in place of ``running``, every pod
+    discovery found kept as it is."""
+    static = {pod.name for pod in running}
+    registry.sync([*reloaded, *(pod.config for pod in registry.pods if pod.name not in static)])

@@ -37,7 +37,7 @@ from gateway.auth import load_key_store
 from gateway.config import Config, ConfigError
 from gateway.metrics import GatewayMetrics
 from gateway.pods.credentials import PodAccess
-from gateway.pods.host import start_host_loops
+from gateway.pods.host import resync_static, start_host_loops
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.reload import ConfigSource, plan
@@ -403,9 +403,7 @@ class Supervisor:
         running = self.config
         config = plan(running, loaded).config
         if config.pods != running.pods:
-            static = {pod.name for pod in running.pods}
-            discovered = [pod.config for pod in self.registry.pods if pod.name not in static]
-            self.registry.sync([*config.pods, *discovered])
+            resync_static(self.registry, running.pods, config.pods)
         self.config = config
 
     # -- admin ---------------------------------------------------------------------------------------
