@@ -189,6 +189,15 @@ def start_pod(scenario: Scenario, pin: bool) -> PodsimProcess:
     return PodsimProcess(args, command_prefix=pin_prefix(LOAD_CORE, pin)).start()
 
 
+def make_key_store(path: Path, count: int, tier: str = "bench") -> list[str]:
+    """``count`` key records of ``tier`` (hashes only, as ``sluicegate keys create`` writes them);
+    the keys themselves in order."""
+    keys = [new_key() for _ in range(count)]
+    records = [{"id": f"bench-{i:04d}", "tier": tier, "hash": hash_key(k)} for i, k in enumerate(keys)]
+    write_file(path, records)
+    return keys
+
+
 def gateway_config(pod_url: str, keys_file: Path, features: bool = True) -> tuple[dict[str, Any], str | None]:
     """The gateway's config and the API key the load sends.
 
@@ -202,11 +211,7 @@ def gateway_config(pod_url: str, keys_file: Path, features: bool = True) -> tupl
     config: dict[str, Any] = {"pods": [{"name": "pod", "url": pod_url}]}
     if not features:
         return config, None
-    key = new_key()
-    write_file(keys_file, [{
-        "id": "bench", "hash": hash_key(key), "tier": "bench", "models": None, "rights": [],
-        "expires": None, "quota": None,
-    }])
+    (key,) = make_key_store(keys_file, 1)
     config.update({
         "auth": {"enabled": True, "keys_file": str(keys_file)},
         "tiers": {"bench": {

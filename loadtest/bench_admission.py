@@ -42,7 +42,6 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.auth.keystore import hash_key, new_key, write_file
 from gateway.rlimits import raise_open_file_limit
 from loadtest.bench import (
     LOAD_CORE,
@@ -52,6 +51,7 @@ from loadtest.bench import (
     can_pin,
     cpu_delta_s,
     cpu_ticks,
+    make_key_store,
     process_tree,
     start_pod,
     wait_ready,
@@ -116,15 +116,6 @@ def run_keyed_load(spec: LoadSpec, keys: list[str]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- configurations
-
-
-def make_key_store(path: Path, count: int) -> list[str]:
-    """``count`` key records of the bench tier (hashes only, as ``sluicegate keys create`` writes
-    them); the keys themselves in order."""
-    keys = [new_key() for _ in range(count)]
-    records = [{"id": f"bench-{i:04d}", "tier": TIER, "hash": hash_key(k)} for i, k in enumerate(keys)]
-    write_file(path, records)
-    return keys
 
 
 def gateway_config(
@@ -252,7 +243,7 @@ def run(
         maybe_redis("redis" in configs) as redis,
     ):
         keys_file = Path(scratch) / "keys.yaml"
-        keys = make_key_store(keys_file, key_count)[: max(1, min(load_keys, key_count))]
+        keys = make_key_store(keys_file, key_count, TIER)[: max(1, min(load_keys, key_count))]
         for repeat in range(1, repeats + 1):
             for config in configs:
                 started = time.monotonic()
