@@ -356,24 +356,23 @@ def build_server(
 
 
 def serve(config: Config, log_level: str = "info", source: ConfigSource | None = None) -> None:
+    _build_or_exit(config, log_level, source, None).run()
+
+
+def _build_or_exit(config: Config, log_level: str, source: ConfigSource | None, worker: Any) -> Server:
+    """``build_server`` after raising the open-file limit; a ``ConfigError`` exits 2 on one line."""
     raise_open_file_limit()
     try:
-        server = build_server(config, log_level, source=source)
+        return build_server(config, log_level, source=source, worker=worker)
     except ConfigError as exc:
         print(f"sluicegate: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    server.run()
 
 
 def serve_worker(config: Config, log_level: str, source: ConfigSource | None, worker: Any) -> None:
     """One worker of ``serve --workers N``: as ``serve``, its cleartext listener bound here with
     ``SO_REUSEPORT`` beside the other workers' (uvicorn binds none of its own)."""
-    raise_open_file_limit()
-    try:
-        server = build_server(config, log_level, source=source, worker=worker)
-    except ConfigError as exc:
-        print(f"sluicegate: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    server = _build_or_exit(config, log_level, source, worker)
     try:
         sockets = reuse_port_sockets(config.server.host, config.server.port)
     except OSError as exc:
