@@ -287,7 +287,7 @@ class Supervisor:
             await proc.wait()
             return 3
         self._spawn_task(_drain(proc.stdout))
-        self.worker_up.set(sum(w.proc is not None and w.proc.returncode is None for w in self.workers))
+        self._count_up()
         return None
 
     async def _watch(self, worker: _Worker) -> None:
@@ -308,8 +308,11 @@ class Supervisor:
             if self.stopping:
                 return
             self.worker_restarts.inc()
-            if await self._start(worker) is not None:
-                continue  # it failed at start: the loop waits (it has exited) and backs off further
+            # one that fails at start has exited: the loop's wait returns and it backs off further
+            await self._start(worker)
+
+    def _count_up(self) -> None:
+        self.worker_up.set(sum(w.proc is not None and w.proc.returncode is None for w in self.workers))
 
     def _stop(self) -> None:
         """SIGTERM/SIGINT: every worker drains (a second signal: they exit at once)."""
