@@ -5,45 +5,24 @@ one uninterrupted answer with OK trailers, in binary and in text mode."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from loadtest.podsim.launch import PodsimProcess
-from loadtest.procs import GatewayProcess
 from tests.conftest import counter_totals
 from tests.test_grpc_web import grpc_web, sse_text
+from tests.test_resume import Setup, resume_setup
 from transports.proto.sluicegate.v1 import inference_pb2 as pb
 
-FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]
 ASK = {"model": "llama-8b", "messages": [{"role": "user", "content": "Tell me about sluice gates."}],
        "max_tokens": 12, "seed": 42}  # fmt: skip
-
-
-@dataclass
-class Setup:
-    good: PodsimProcess
-    bad: PodsimProcess
-    url: str
-    admin_url: str
 
 
 @pytest.fixture
 def setup() -> Iterator[Setup]:
     """A fresh gateway per case: a pod that broke in one case may be out of rotation in the next."""
-    with PodsimProcess(FAST) as good, PodsimProcess(FAST) as bad:
-        config = {
-            "server": {"host": "127.0.0.1"},
-            "timeouts": {"stall_s": 0.3},
-            "resume": {"models": ["*"], "max_per_request": 2},
-            "pods": [
-                {"name": "good", "url": good.url, "models": ["llama-8b"]},
-                {"name": "bad", "url": bad.url, "models": ["llama-8b"]},
-            ],
-        }
-        with GatewayProcess(config) as gw:
-            yield Setup(good, bad, gw.url, gw.admin_url)
+    with resume_setup() as fresh:
+        yield fresh
 
 
 @pytest.mark.parametrize("fault", [{"drop_after": 5}, {"error_after": 5}])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -32,20 +34,33 @@ class Setup:
     admin_url: str
 
 
+def resume_config(good: PodsimProcess, bad: PodsimProcess, **sections: Any) -> dict[str, Any]:
+    """Two pods of llama-8b (``bad`` is the one given faults), a short stall timeout and resume on;
+    ``sections`` replace (``server``) or add to the config's top-level sections."""
+    return {
+        "server": {"host": "127.0.0.1"},
+        "timeouts": {"stall_s": 0.3},
+        "resume": {"models": ["*"], "max_per_request": 2},
+        "pods": [
+            {"name": "good", "url": good.url, "models": ["llama-8b"]},
+            {"name": "bad", "url": bad.url, "models": ["llama-8b"]},
+        ],
+        **sections,
+    }
+
+
+@contextmanager
+def resume_setup() -> Iterator[Setup]:
+    """Fresh pods and a gateway of ``resume_config`` in front of them."""
+    with PodsimProcess(FAST) as good, PodsimProcess(FAST) as bad, \
+            GatewayProcess(resume_config(good, bad)) as gw:  # fmt: skip
+        yield Setup(good, bad, gw.url, gw.admin_url)
+
+
 @pytest.fixture(scope="module")
 def setup() -> Iterator[Setup]:
-    with PodsimProcess(FAST) as good, PodsimProcess(FAST) as bad:
-        config = {
-            "server": {"host": "127.0.0.1"},
-            "timeouts": {"stall_s": 0.3},
-            "resume": {"models": ["*"], "max_per_request": 2},
-            "pods": [
-                {"name": "good", "url": good.url, "models": ["llama-8b"]},
-                {"name": "bad", "url": bad.url, "models": ["llama-8b"]},
-            ],
-        }
-        with GatewayProcess(config) as gw:
-            yield Setup(good, bad, gw.url, gw.admin_url)
+    with resume_setup() as fresh:
+        yield fresh
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ from loadtest.podsim import wire
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import counter_totals, pod_state, wait_for
+from tests.test_resume import resume_config
 
 # -- asking for usage ------------------------------------------------------------------------------
 
@@ -361,16 +362,10 @@ class Resumable:
 @pytest.fixture(scope="module")
 def resumable() -> Iterator[Resumable]:
     with PodsimProcess(FAST) as good, PodsimProcess(FAST) as bad:
-        config = {
-            "server": {"host": "127.0.0.1", "max_tokens": 64},
-            "quotas": {"default": {"tokens_per_minute": 1_000_000}},
-            "timeouts": {"stall_s": 0.3},
-            "resume": {"models": ["*"], "max_per_request": 2},
-            "pods": [
-                {"name": "good", "url": good.url, "models": ["llama-8b"]},
-                {"name": "bad", "url": bad.url, "models": ["llama-8b"]},
-            ],
-        }
+        config = resume_config(
+            good, bad, server={"host": "127.0.0.1", "max_tokens": 64},
+            quotas={"default": {"tokens_per_minute": 1_000_000}},
+        )
         with GatewayProcess(config) as gw:
             httpx.post(bad.url + "/admin/faults", json={"drop_after": 3}).raise_for_status()
             yield Resumable(good, bad, gw)
