@@ -273,8 +273,8 @@ class StreamRelay:
             return None
         assert ex.budget is not None
         loop = asyncio.get_running_loop()
+        done = Transcript.read(recorder.sent)  # once: nothing is sent between the attempts
         while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
-            done = Transcript.read(bytes(recorder.sent))
             pod = self.registry.pick(
                 req.model, exclude=tuple(ex.tried), criticality=ex.criticality, pods=ex.selector
             )
