@@ -340,7 +340,7 @@ class Splice:
     The relay hands the pod's bytes from the pod connection's parser callback to a sink (see
     ``transports/client_socket.py``); this one translates them as ``Call.send`` would (the same
     state: a call's bytes go one way or the other, in order) and passes the frames to the sink of
-    the client connection's own target (HTTP/1.1 socket, HTTP/2 stream), which keeps its flow
+    the client connection's own target (HTTP/1.1 socket, HTTP/2 or HTTP/3 stream), which keeps its flow
     control and its stop on a client that left. A read with no complete event writes nothing (an
     empty chunk would end an HTTP/1.1 body).
     """

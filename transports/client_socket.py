@@ -8,11 +8,13 @@ with ASGI messages, so the server's own bookkeeping (keep-alive, END_STREAM, tra
 
 - uvicorn's HTTP/1.1: its request cycle holds the client's transport and flow control; once the
   status line is out (chunked), body chunks are written to the transport in chunked framing.
-- the gateway's own HTTP/2 streams (``transports.asgi_stream.AsgiStream`` on ``h2_server``): the
-  stream itself; each chunk becomes a DATA frame within the flow-control windows.
+- the gateway's own HTTP/2 and HTTP/3 streams (``transports.asgi_stream.AsgiStream`` on ``h2_server``
+  and ``h3_server``): the stream itself; each chunk becomes DATA within the flow-control windows.
+- a gRPC-Web call (``gateway.grpc_web_call.Call``): its client's own target, behind a sink that
+  translates SSE to frames.
 
-Anything else (HTTP/3, another server, a wrapped ``send``) gets None, and the relay uses ASGI sends.
-Either target pauses reading from the pod while the client cannot take more, and stops it as soon as
+Anything else (another server, a wrapped ``send``) gets None, and the relay uses ASGI sends.
+Every target pauses reading from the pod while the client cannot take more, and stops it as soon as
 it sees the client gone.
 """
 
@@ -82,7 +84,7 @@ def client_socket(send: Callable[[dict[str, Any]], Awaitable[None]]) -> SpliceTa
     """The splice target behind ``send`` once its response has started, else None (see module doc)."""
     owner = getattr(send, "__self__", None)
     target = getattr(owner, "splice_target", None)
-    if target is not None:  # the gateway's HTTP/2 and HTTP/3 streams: the stream says
+    if target is not None:  # the gateway's HTTP/2 and HTTP/3 streams, a gRPC-Web call: the owner says
         return target()  # type: ignore[no-any-return]
     transport = getattr(owner, "transport", None)
     flow = getattr(owner, "flow", None)
