@@ -35,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from loadtest.bench import LOAD_CORE, PROXY_CORE, can_pin, cpu_model, pin_prefix
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "config" / "demo.yaml"
 PROMPTS = ROOT / "loadtest" / "prompts" / "synthetic.jsonl"
@@ -47,8 +49,6 @@ TOOL_NAMES = {
     "loadtest": "`sluicegate loadtest`",
 }
 MODEL = "llama-8b"
-GATEWAY_CORE = 1
-LOAD_CORE = 0
 SECTION = "tools"
 
 
@@ -112,17 +112,6 @@ class CompareError(Exception):
 # --------------------------------------------------------------------------- the setup
 
 
-def pin_prefix(core: int, pin: bool) -> list[str]:
-    return ["taskset", "-c", str(core)] if pin else []
-
-
-def can_pin() -> bool:
-    """taskset exists and both cores are ours (as ``make bench`` checks)."""
-    from loadtest.bench import can_pin as bench_can_pin
-
-    return bench_can_pin()
-
-
 def pod_speeds(load: Load) -> list[str]:
     """A fixed pace: the same TTFT for every prompt length and the same gaps at any concurrency."""
     return [
@@ -165,7 +154,7 @@ def demo_setup(load: Load, pin: bool, scratch: Path) -> Iterator[Setup]:
         keys = write_demo_keys(parse_config(raw, str(DEMO_CONFIG)))
         if keys is None:
             raise CompareError(f"{DEMO_CONFIG} has auth off; the comparison runs with auth on, as the demo")
-        gateway = GatewayProcess(raw, cpu=GATEWAY_CORE if pin else None)
+        gateway = GatewayProcess(raw, cpu=PROXY_CORE if pin else None)
         try:
             stack.enter_context(gateway)
         except RuntimeError as exc:
@@ -477,10 +466,8 @@ def render(runs: list[ToolRun], load: Load, meta: dict[str, Any]) -> str:
 
 
 def machine(pin: bool) -> str:
-    from loadtest.bench import cpu_model
-
     cpu = cpu_model()
-    pinning = (f"gateway alone on core {GATEWAY_CORE}, pods and tools on core {LOAD_CORE}" if pin
+    pinning = (f"gateway alone on core {PROXY_CORE}, pods and tools on core {LOAD_CORE}" if pin
                else "no CPU pinning")  # fmt: skip
     return (f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, "
             f"Python {platform.python_version()}; {pinning}; "
