@@ -187,23 +187,16 @@ class StreamRelay:
             async with asyncio.timeout_at(ex.deadline):
                 socket = client_socket(send)
                 if socket is not None:
-                    write = socket.writer(resp)
-                    if tap is not None:
-                        write = tap.wrap(write)
-                    sink = write if recorder is None else _recording(recorder, write, resp)
-                    resp.splice(sink if finish is None else finish.wrap(sink))
+                    resp.splice(_sink(socket.writer(resp), resp, recorder, finish, tap))
                     await resp.done
-                else:
+                else:  # the same sink, its output sent by ASGI after each read
+                    out: list[bytes] = []
+                    sink = _sink(out.append, resp, recorder, finish, tap)
                     while chunk := await resp.read():
-                        if finish is not None:
-                            finish.feed(chunk)
-                        if recorder is not None:
-                            chunk = recorder.filter(chunk)
-                            if recorder.broken:
-                                resp.close(PodBrokenError("the pod reported an error mid-stream"))
-                        if tap is not None:
-                            chunk = tap.feed(chunk)
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        sink(chunk)
+                        for body in out:
+                            await send({"type": "http.response.body", "body": body, "more_body": True})
+                        out.clear()
             why = incomplete(resp, choices, finish, ex.route)
             if why is None:
                 return None, False
@@ -376,10 +369,25 @@ async def _result(task: asyncio.Task[int | None] | None, seconds: float) -> int 
     return None if task.cancelled() or task.exception() is not None else task.result()
 
 
+def _sink(
+    write: Callable[[bytes], None],
+    resp: PodResponse,
+    recorder: Recorder | None,
+    finish: FinishWatch | None,
+    tap: UsageTap | None,
+) -> Callable[[bytes], None]:
+    """What every pod read goes through on its way to ``write``: the finish watch, the recorder, the
+    usage tap (each only when the stream has one)."""
+    if tap is not None:
+        write = tap.wrap(write)
+    sink = write if recorder is None else _recording(recorder, write, resp)
+    return sink if finish is None else finish.wrap(sink)
+
+
 def _recording(
     recorder: Recorder, write: Callable[[bytes], None], resp: PodResponse
 ) -> Callable[[bytes], None]:
-    """A splice sink that records what it passes and ends the answer at a pod's error event."""
+    """A sink that records what it passes and ends the answer at a pod's error event."""
 
     def sink(body: bytes) -> None:
         out = recorder.filter(body)
