@@ -275,7 +275,7 @@ class Recorder:
             return b""
         self.tail = data[cut:]
         out = data[:cut]
-        error_at = out.find(b'data: {"error"')
+        error_at = out.find(sse.ERROR_EVENT)
         if error_at != -1:
             out = out[:error_at]
             self.broken = True

@@ -41,7 +41,6 @@ from transports.client_socket import client_socket
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
 
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
-_POD_ERROR_EVENT = b'data: {"error"'  # vLLM's in-stream error event (../shared/wire/vllm-midstream-error.txt)
 
 Connect = Callable[[Exchange, InferenceRequest, Pod, list[tuple[bytes, bytes]]], Awaitable[PodResponse]]
 
@@ -136,7 +135,7 @@ class StreamRelay:
                 if recorder is None and not sse.ends_event(resp.last):
                     event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-            elif _POD_ERROR_EVENT in resp.last or _POD_ERROR_EVENT in resp.previous:
+            elif sse.ERROR_EVENT in resp.last or sse.ERROR_EVENT in resp.previous:
                 # whole by its framing, but the pod ended it with an error event of its own (vLLM's
                 # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
                 ex.detail = "upstream_error_event"

@@ -36,7 +36,6 @@ _NOT_USAGE = b'"choices":[{'  # an event with a choice in it is a token chunk
 _ROLE_ONLY = b'"delta":{"role":"assistant","content":""}'  # chat's opening chunk: no token
 _DONE = b"data: [DONE]"
 _EVENT = b"data: "
-_ERROR_EVENT = b'data: {"error"'
 
 
 def content_events(data: bytes | bytearray) -> int:
@@ -45,7 +44,7 @@ def content_events(data: bytes | bytearray) -> int:
     return max(
         0,
         data.count(_EVENT) - data.count(_DONE) - data.count(USAGE_MARK) - data.count(_ROLE_ONLY)
-        - data.count(_ERROR_EVENT),
+        - data.count(sse.ERROR_EVENT),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 DONE = b"[DONE]"
+ERROR_EVENT = b'data: {"error"'  # vLLM's in-stream error event (../shared/wire/vllm-midstream-error.txt)
 
 
 class MalformedEvent(ValueError):
