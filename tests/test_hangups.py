@@ -8,6 +8,7 @@ sees EOF when the thread shuts the gateway's side down.
 from __future__ import annotations
 
 import os
+import select
 import socket
 from collections.abc import Iterator
 
@@ -143,3 +144,26 @@ def test_pairings_hold_no_descriptors_after_unpair_and_close() -> None:
             for s in near_far:
                 s.close()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_hang_up_is_not_taken_for_the_next_client_given_the_same_descriptor(watcher: HangupWatcher) -> None:
+    """A keep-alive client leaves just as another request comes in: the thread's wait returned the
+    leaver's event, and before the thread took the lock the event loop unpaired the leaver and
+    paired the newcomer, whose ``dup`` got the same descriptor number. The newcomer's pod
+    connection must survive that event, and the newcomer's own hang-up must still reach it."""
+    leaver_gw, leaver = tcp_pair()
+    old = watcher.pair(leaver_gw)
+    assert old is not None
+    stale_event = (old.client, select.EPOLLRDHUP)
+    watcher.unpair(old)
+    new, gw_client, client, gw_pod, pod = attached(watcher)
+    assert new.client == stale_event[0]  # the lowest free number: the one just closed
+    watcher._handle([stale_event])  # the thread acting on the wait that returned the leaver's event
+    assert pod_still_open(pod)
+    assert watcher.shut_down == 0
+    client.close()
+    assert pod_sees_eof(pod)
+    assert watcher.shut_down == 1
+    watcher.unpair(new)
+    for s in (leaver_gw, leaver, gw_client, gw_pod, pod):
+        s.close()

@@ -7,10 +7,15 @@ module keeps a thread blocked in ``epoll_wait`` on the clients' sockets; when on
 (FIN or RST), the thread shuts the paired pod socket down at once, which is all a pod needs to abort
 the generation. The event loop still does every other part of the clean-up, in its own time.
 
-Thread safety rests on two rules. The thread only ever touches sockets this module owns: a ``dup``
-of the client's socket and of the pod's, so a descriptor number the event loop has closed and
-reused can never be hit by mistake. And every pairing change and every shutdown happens under one
-lock, so a pod connection that goes back to the keep-alive pool has been unpaired first.
+Thread safety rests on three rules. The thread only ever touches sockets this module owns: a ``dup``
+of the client's socket and of the pod's. Every pairing change and every shutdown happens under one
+lock, so a pod connection that goes back to the keep-alive pool has been unpaired first. And an
+event names a descriptor number, which the event loop may close and reuse for the next client's
+``dup`` between the thread's ``epoll_wait`` returning and the thread taking the lock: numbers
+unpaired since the wait began are not trusted (the new pairing is re-armed instead, so its own
+hang-up still fires). Without that third rule a client leaving on a keep-alive connection could
+shut down the pod connection of the request that came next (seen as a rare 502 before the first
+token).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class HangupWatcher:
         self._epoll = select.epoll()
         self._lock = threading.Lock()
         self._pairs: dict[int, Pairing] = {}
+        self._unpaired: set[int] = set()  # descriptor numbers unpaired since the thread's wait began
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self.shut_down = 0  # pod sockets shut down by the thread (for tests and metrics)
@@ -107,6 +113,7 @@ class HangupWatcher:
             if self._pairs.pop(fd, None) is pairing:
                 with contextlib.suppress(OSError):
                     self._epoll.unregister(fd)
+            self._unpaired.add(fd)
             upstream, pairing.upstream = pairing.upstream, -1
         os.close(fd)
         if upstream >= 0:
@@ -133,14 +140,28 @@ class HangupWatcher:
 
     def _run(self) -> None:
         while True:
-            events = self._epoll.poll()
             with self._lock:
-                for fd, _mask in events:
-                    if fd == self._wake_r:
-                        return
-                    pairing = self._pairs.get(fd)
-                    if pairing is None or pairing.fired:
-                        continue
-                    pairing.fired = True
-                    if pairing.upstream >= 0 and shut_down_fd(pairing.upstream):
-                        self.shut_down += 1
+                self._unpaired.clear()
+            events = self._epoll.poll()
+            if not self._handle(events):
+                return
+
+    def _handle(self, events: list[tuple[int, int]]) -> bool:
+        """Act on one wait's events; False when told to stop."""
+        with self._lock:
+            for fd, _mask in events:
+                if fd == self._wake_r:
+                    return False
+                pairing = self._pairs.get(fd)
+                if pairing is None or pairing.fired:
+                    continue
+                if fd in self._unpaired:
+                    # The number was closed and handed to a new pairing after this event was
+                    # taken: the event was the old client's. Re-arm, so the new one's still fires.
+                    with contextlib.suppress(OSError):
+                        self._epoll.modify(fd, _EVENTS)
+                    continue
+                pairing.fired = True
+                if pairing.upstream >= 0 and shut_down_fd(pairing.upstream):
+                    self.shut_down += 1
+        return True
