@@ -96,7 +96,7 @@ class Gateway:
             lambda: len(asyncio.all_tasks()),
             lambda: self._pod_client.open_connections if self._pod_client else 0,
         )
-        self.loop_lag = LoopLag(self.metrics.registry)  # sluicegate_event_loop_lag_seconds
+        self.loop_lag = LoopLag(self.metrics.registry, lambda: self.relay.in_flight > 0)
         self.started = time.time()
         self.control = Starlette(
             routes=[
