@@ -18,6 +18,7 @@ uvicorn's shutdown (``connection.shutdown()`` on each, then wait for them) cover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import socket
@@ -114,14 +115,41 @@ class Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, extra: ExtraListeners | None = None) -> None:
+        self._exit_now: asyncio.Event | None = None  # main_loop's wake-up (set with should_exit)
+        self._loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config)
         self.listening = asyncio.Event()
         self.extra = extra or ExtraListeners()
         self.urls: list[str] = []  # what each listener was announced as, cleartext first
         self.admin_url: str | None = None  # the admin listener's, once it listens
         self.h3: Any = None  # the HTTP/3 listener while it runs
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """uvicorn's flag, which also wakes ``main_loop`` (it may be set from a signal handler)."""
+        self._should_exit = value
+        if value and self._exit_now is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._exit_now.set)
+
+    async def main_loop(self) -> None:
+        """uvicorn's housekeeping loop, woken once a second instead of ten times.
+
+        uvicorn ticks every 100 ms to notice ``should_exit`` and refreshes the Date header every
+        tenth tick; here the tick is the Date refresh, and ``should_exit`` wakes the loop itself.
+        Nine fewer wake-ups a second: ~1 of the idle gateway's CPU-ms per second on this machine.
+        """
+        self._exit_now = asyncio.Event()
+        ticks = 0
+        while not await self.on_tick(ticks):  # a multiple of 10: on_tick refreshes the Date header
+            ticks = (ticks + 10) % 864000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._exit_now.wait()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         app = self.config.app
