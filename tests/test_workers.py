@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli import main
@@ -110,6 +111,8 @@ def test_both_workers_serve_and_metrics_name_each(gateway: GatewayProcess) -> No
         assert _fresh(gateway.url, "/v1/chat/completions", CHAT).status_code == 200
     served = _by_worker(gateway.admin_url, "sluicegate_requests")
     assert set(served) == {"0", "1"} and sum(served.values()) == 20, served
+    # the merged page is in the same exposition format, so it says the same as one process's page
+    assert httpx.get(gateway.admin_url + "/metrics").headers["content-type"] == CONTENT_TYPE_LATEST
     assert httpx.get(gateway.url + "/readyz").json()["status"] == "ready"
     pods = httpx.get(gateway.admin_url + "/admin/pods").json()["pods"]
     assert {p["name"]: p["state"]["health"] for p in pods} == {"sim": "healthy", "counted": "healthy"}

@@ -444,7 +444,7 @@ class Supervisor:
             workers = zip(self.workers, texts, strict=True)
             parts = [(w.index, text.decode()) for w, (status, _, text) in workers if status == 200]
             body = await asyncio.to_thread(merge, self.metrics.registry, parts)
-            await _answer(send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+            await _answer(send, 200, body, self.metrics.content_type.encode())
             return
         if path.startswith("/admin/pods") or path == "/admin/status":
             await self.plane(scope, receive, send)
