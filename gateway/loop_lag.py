@@ -24,7 +24,7 @@ class LoopLag:
     """A timer whose lateness is observed into a histogram while ``run`` is awaited; ``busy`` says
     whether requests are in flight (the 50-ms period) or not (once a second)."""
 
-    def __init__(self, registry: CollectorRegistry, busy: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, registry: CollectorRegistry, busy: Callable[[], bool]) -> None:
         self.busy = busy
         self.histogram = Histogram(
             "sluicegate_event_loop_lag_seconds",
