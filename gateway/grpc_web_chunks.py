@@ -150,10 +150,9 @@ class ChunkEncoder:
             return
         if probe != event:
             return
+        self._forget()
         self._prefix, self._suffix, self._tail = prefix, suffix, tail
         self._choice_head = _int_field(0x08, choice.get("index"))
-        self._frame_heads = {}
-        self._event_prefix = None
         if b"\n" not in data and b"\r" not in data:  # else not one ``data:`` line as it stands
             self._event_prefix, self._event_suffix = b"data: " + prefix, suffix + b"\n\n"
 

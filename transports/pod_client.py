@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import Callable
 
 import httptools
 
+from transports.client_socket import Sink
 from transports.hangups import shut_down_fd
 from transports.sse import EVENT_ENDS
 from transports.tls import tls_reason
 
-Writer = Callable[[bytes], None]
 Key = tuple[str, int, ssl.SSLContext | None, str | None]  # host, port, TLS context, name checked
 
 
@@ -73,7 +72,7 @@ class PodResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._error: BaseException | None = None
-        self.sink: Writer | None = None
+        self.sink: Sink | None = None
         self.done: asyncio.Future[None] = conn.loop.create_future()
         self.chunks = 0
         self.previous = b""
@@ -165,7 +164,7 @@ class PodResponse:
                 break
         return b"".join(parts)[:limit]
 
-    def splice(self, writer: Writer) -> None:
+    def splice(self, writer: Sink) -> None:
         """From now on every body chunk goes straight to ``writer``; queued ones first."""
         while self._chunks:
             writer(self._chunks.popleft())
