@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # SIGHUP and a changed file re-read --config, with the same flags on top (gateway/reload.py)
     source = ConfigSource(args.config, lambda: resolve_config(args))
-    from gateway.workers.supervisor import worker_count
+    from gateway.workers import worker_count
 
     count = worker_count(config.server.workers if workers is None else workers)
     if count > 1:

@@ -6,3 +6,12 @@ breakers' verdicts) and the admin listener; each worker binds every public liste
 (``gateway.workers.feed``). What every replica must agree on (quotas, leases, the canary's step)
 goes through Redis, as between replicas. See docs/operations.md.
 """
+
+from __future__ import annotations
+
+import os
+
+
+def worker_count(value: int) -> int:
+    """``--workers``/``server.workers`` as a process count: 0 means one per CPU core."""
+    return value if value > 0 else (os.cpu_count() or 1)

@@ -10,8 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import redis
-
 from gateway.config import Config, ConfigError
 
 MISSING = (
@@ -52,6 +50,8 @@ class LocalRedis:
              "--appendonly", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         )
+        import redis  # here, not at the top: a `serve` that never starts one does not load redis-py
+
         client = redis.Redis(unix_socket_path=self.path, socket_timeout=0.5)
         deadline = time.monotonic() + self.start_timeout_s
         try:

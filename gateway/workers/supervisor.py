@@ -56,11 +56,6 @@ BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_S = 60.0  # a worker up this long has its backoff reset
 
 
-def worker_count(value: int) -> int:
-    """``--workers``/``server.workers`` as a process count: 0 means one per CPU core."""
-    return value if value > 0 else (os.cpu_count() or 1)
-
-
 @dataclass
 class _Worker:
     index: int
