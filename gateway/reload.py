@@ -113,7 +113,7 @@ def _changed(old: Config, new: Config) -> list[str]:
     return changed
 
 
-def _digest(path: str) -> str | None:
+def file_digest(path: str) -> str | None:
     """The file's content hash (None while it cannot be read, e.g. mid-replace)."""
     try:
         return hashlib.blake2b(Path(path).read_bytes(), digest_size=16).hexdigest()
@@ -150,7 +150,7 @@ class ConfigWatcher:
             pass
         path = self.path
         if path is not None:
-            self._digest = await asyncio.to_thread(_digest, path)
+            self._digest = await asyncio.to_thread(file_digest, path)
             self._watch = asyncio.create_task(self._poll(path), name="config-watch")
 
     async def close(self) -> None:
@@ -177,7 +177,7 @@ class ConfigWatcher:
             await asyncio.sleep(settings.interval_s)
             if not settings.watch:
                 continue
-            digest = await asyncio.to_thread(_digest, path)
+            digest = await asyncio.to_thread(file_digest, path)
             if digest is not None and digest != self._digest:
                 await self.reload("file changed")
 
@@ -218,7 +218,7 @@ class ConfigWatcher:
     def _read(self, source: ConfigSource, running: Config) -> Plan:
         """On a thread: the file's hash, and what loading it again would change."""
         assert source.path is not None
-        digest = _digest(source.path)
+        digest = file_digest(source.path)
         try:
             change = plan(running, source.load())
         finally:

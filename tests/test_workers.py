@@ -196,3 +196,22 @@ def test_a_taken_port_is_exit_3_before_any_worker(tmp_path: Path) -> None:
         )
     assert result.returncode == 3, result.stderr
     assert "cannot listen" in result.stderr and "worker" not in result.stderr, result.stderr
+
+
+@needs_redis_server()
+def test_a_pod_added_to_the_config_file_stays_in_every_worker(pod: PodsimProcess, counting_pod: str) -> None:
+    """Each worker re-reads a changed file by itself; the supervisor must too, or its next snapshot
+    would take the new pod out of them again. Its probes of the new pod show it has the pod."""
+    config = _config(pod, counting_pod)
+    config["reload"] = {"interval_s": 0.1}
+    added = config["pods"].pop()
+    with GatewayProcess(config, extra_args=["--workers", "2"]) as gw:
+        config["pods"].append(added)
+        config_file = Path(gw._dir.name) / "config.yaml"
+        start = _Counting.probes
+        config_file.write_text(yaml.safe_dump(config))
+        assert wait_for(lambda: _Counting.probes >= start + 3, timeout_s=10)  # the supervisor probes it
+        for _ in range(10):  # several snapshots later, on fresh connections (either worker)
+            with httpx.Client(timeout=5) as client:
+                models = {m["id"] for m in client.get(gw.url + "/v1/models").json()["data"]}
+            assert models == {"llama-8b", "counted"}

@@ -40,7 +40,7 @@ from gateway.pods.credentials import PodAccess
 from gateway.pods.host import resync_static, start_host_loops
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
-from gateway.reload import ConfigSource, plan
+from gateway.reload import ConfigSource, file_digest, plan
 from gateway.workers.feed import frame, read_frame, snapshot
 from gateway.workers.local_redis import LocalRedis, needs_shared_state
 from gateway.workers.merge import merge
@@ -190,6 +190,8 @@ class Supervisor:
             loops.append(asyncio.create_task(self.keys.watch(), name="key-store"))
         feed = await asyncio.start_unix_server(self._feed, path=os.path.join(self.dir, "feed.sock"))
         loops.append(asyncio.create_task(self._publish(), name="publish"))
+        if self.source is not None and self.source.path is not None:
+            loops.append(asyncio.create_task(self._watch_file(self.source.path), name="config-watch"))
         admin_server = None
         lookup = self.keys.lookup if self.keys is not None else None
         self.plane = AdminPlane(self.registry, self.monitor, self.metrics, lookup)
@@ -385,6 +387,11 @@ class Supervisor:
 
     async def reload(self, why: str) -> None:
         """SIGHUP: the supervisor's own view (the static pods), then every worker reloads."""
+        await self._reload_own(why)
+        for worker in self.workers:
+            worker.signal(signal.SIGHUP)
+
+    async def _reload_own(self, why: str) -> None:
         source = self.source
         if source is not None and source.path is not None:
             try:
@@ -394,8 +401,21 @@ class Supervisor:
                 log.warning("config reload (%s) refused by the supervisor: %s", why, problem)
             else:
                 self._apply(loaded)
-        for worker in self.workers:
-            worker.signal(signal.SIGHUP)
+
+    async def _watch_file(self, path: str) -> None:
+        """The config file, polled as each worker polls it (``reload.watch``): the supervisor's
+        snapshots carry the pod list, so a change the workers saw and it did not would be pushed
+        back out of them within a probe interval. The workers reload by themselves."""
+        digest = await asyncio.to_thread(file_digest, path)
+        while True:
+            settings = self.config.reload
+            await asyncio.sleep(settings.interval_s)
+            if not settings.watch:
+                continue
+            new = await asyncio.to_thread(file_digest, path)
+            if new is not None and new != digest:
+                digest = new
+                await self._reload_own("file changed")
 
     def _apply(self, loaded: Config) -> None:
         running = self.config
