@@ -38,6 +38,7 @@ from gateway.app import Gateway
 from gateway.config import AdminConfig, Config, ConfigError
 from gateway.reload import ConfigSource
 from gateway.rlimits import raise_open_file_limit
+from gateway.workers import READY_LINE
 from transports.h1_limits import GuardedH1Protocol, H1Limits
 from transports.h2_dispatch import CleartextDispatch, TlsDispatch
 from transports.h2_guard import H2Limits
@@ -194,7 +195,7 @@ class Server(uvicorn.Server):
             if self.admin_url is not None:
                 print(f"sluicegate admin listening on {self.admin_url}", flush=True)
             if self.extra.reuse_port:  # a worker: its supervisor waits for this line
-                print("sluicegate worker ready", flush=True)
+                print(READY_LINE, flush=True)
             self.listening.set()
 
     async def _start_extra(self) -> None:

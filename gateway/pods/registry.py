@@ -416,9 +416,9 @@ class PodRegistry:
 
     # -- what the request path reports back ------------------------------------------------------
 
-    def report_success(self, pod: Pod) -> None:
+    def report_success(self, pod: Pod, now: float | None = None) -> None:
         """A first token or a 2xx answer: the outlier breaker closes, and it is evidence of life."""
-        pod.served_at = time.monotonic()
+        pod.served_at = time.monotonic() if now is None else now
         if self.outcomes is not None:
             self.outcomes(pod.name, None, pod.served_at)
         if pod.outlier.success() is not None:

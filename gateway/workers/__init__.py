@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+READY_LINE = "sluicegate worker ready"  # a worker prints it once every listener is up
+
 
 def worker_count(value: int) -> int:
     """``--workers``/``server.workers`` as a process count: 0 means one per CPU core."""

@@ -41,15 +41,15 @@ from gateway.pods.host import resync_static, start_host_loops
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
 from gateway.reload import ConfigSource, file_digest, plan
+from gateway.workers import READY_LINE
 from gateway.workers.feed import frame, read_frame, snapshot
 from gateway.workers.local_redis import LocalRedis, needs_shared_state
 from gateway.workers.merge import merge
-from gateway.workers.worker import ENV, WorkerSpec, admin_path
+from gateway.workers.worker import ENV, WorkerSpec, admin_path, feed_path
 from transports.upstream import open_session
 
 log = logging.getLogger("sluicegate.supervisor")
 
-READY_LINE = "sluicegate worker ready"
 PUBLISH_POLL_S = 0.1  # how soon a change reaches the workers
 START_TIMEOUT_S = 60.0
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -188,7 +188,7 @@ class Supervisor:
         )
         if self.keys is not None:
             loops.append(asyncio.create_task(self.keys.watch(), name="key-store"))
-        feed = await asyncio.start_unix_server(self._feed, path=os.path.join(self.dir, "feed.sock"))
+        feed = await asyncio.start_unix_server(self._feed, path=feed_path(self.dir))
         loops.append(asyncio.create_task(self._publish(), name="publish"))
         if self.source is not None and self.source.path is not None:
             loops.append(asyncio.create_task(self._watch_file(self.source.path), name="config-watch"))
@@ -292,7 +292,7 @@ class Supervisor:
         while True:
             assert worker.proc is not None
             code = await worker.proc.wait()
-            self.worker_up.set(sum(w.proc is not None and w.proc.returncode is None for w in self.workers))
+            self._count_up()
             if self.stopping:
                 return
             if time.monotonic() - worker.started > STABLE_S:
@@ -356,8 +356,7 @@ class Supervisor:
                     if pod is None:
                         continue
                     if what is None:
-                        self.registry.report_success(pod)
-                        pod.served_at = at
+                        self.registry.report_success(pod, at)
                     else:
                         self.registry.report_failure(pod, what, at)
         except (asyncio.IncompleteReadError, OSError, ValueError, TypeError):

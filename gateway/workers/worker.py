@@ -41,7 +41,7 @@ class WorkerSpec:
 
     @property
     def feed_path(self) -> str:
-        return str(Path(self.dir) / "feed.sock")
+        return feed_path(self.dir)
 
     @property
     def admin_path(self) -> str:
@@ -69,6 +69,10 @@ class WorkerSpec:
             data["quotas"]["redis_url"] = self.redis_url
         data["quotas"]["replicas"] = data["quotas"]["replicas"] * self.workers
         return Config.model_validate(data)
+
+
+def feed_path(directory: str) -> str:
+    return str(Path(directory) / "feed.sock")
 
 
 def admin_path(directory: str, index: int) -> str:
