@@ -61,12 +61,26 @@ def snapshot(registry: PodRegistry) -> dict[str, Any]:
     return {"pods": [pod_state(pod) for pod in registry.pods]}
 
 
-def apply_snapshot(registry: PodRegistry, pods: list[dict[str, Any]]) -> None:
+class PodConfigs:
+    """The snapshot's pod configs, validated again only when they change: they almost never do, and
+    snapshots come at least once a scrape, into the worker's request loop."""
+
+    def __init__(self) -> None:
+        self._raw: list[Any] | None = None
+        self._configs: list[PodConfig] = []
+
+    def of(self, pods: list[dict[str, Any]]) -> list[PodConfig]:
+        raw = [state["config"] for state in pods]
+        if raw != self._raw:
+            self._raw, self._configs = raw, [PodConfig.model_validate(config) for config in raw]
+        return self._configs
+
+
+def apply_snapshot(registry: PodRegistry, pods: list[dict[str, Any]], configs: list[PodConfig]) -> None:
     """Make a worker's registry what the supervisor's is: the pod set, then each pod's state.
 
     The supervisor's breakers hear every worker's outcomes, so their verdict wins; a worker keeps
     only its own in-flight counts, its half-open trial, and the latest success it saw itself."""
-    configs = [PodConfig.model_validate(state["config"]) for state in pods]
     if [pod.config for pod in registry.pods] != configs:
         registry.sync(configs)
     reindex = False

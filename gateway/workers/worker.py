@@ -16,7 +16,7 @@ from typing import Any
 
 from gateway.config import Config
 from gateway.pods.registry import PodRegistry
-from gateway.workers.feed import apply_snapshot, frame, read_frame
+from gateway.workers.feed import PodConfigs, apply_snapshot, frame, read_frame
 
 log = logging.getLogger("sluicegate.worker")
 
@@ -95,6 +95,7 @@ class WorkerLink:
         self._flush: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._parent = os.getppid()
+        self._configs = PodConfigs()
 
     async def start(self, registry: PodRegistry) -> None:
         """Connect and wait for the first snapshot (the worker listens only once it knows the pods)."""
@@ -125,7 +126,7 @@ class WorkerLink:
                     message = await read_frame(reader)
                     pods = message.get("pods")
                     if pods is not None and self._registry is not None:
-                        apply_snapshot(self._registry, pods)
+                        apply_snapshot(self._registry, pods, self._configs.of(pods))
                         self.fed = True
                         self._first.set()
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
