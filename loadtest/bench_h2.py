@@ -45,6 +45,7 @@ from loadtest.bench import (
     MODEL,
     PROXY_CORE,
     Scenario,
+    auth_headers,
     can_pin,
     cpu_delta_s,
     cpu_ticks,
@@ -54,6 +55,7 @@ from loadtest.bench import (
     start_gateway,
     start_pod,
 )
+from loadtest.bench_scale import _TIME, _ms
 from loadtest.bench_transports import H2Client, _insecure_context
 from loadtest.loadgen import DONE_MARKER, count_tokens
 from loadtest.nginx import NginxProcess
@@ -64,7 +66,6 @@ from transports.tls import self_signed
 PATH = "/v1/chat/completions"
 H2LOAD = "/usr/bin/h2load"
 TARGETS = ("gateway h2c", "gateway h2 (TLS)", "nginx h2c", "nginx h2 (TLS)")
-_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 
 
 def chat_body(tokens: int) -> bytes:
@@ -77,28 +78,20 @@ def chat_body(tokens: int) -> bytes:
 # --------------------------------------------------------------------------- h2load
 
 
-def _ms(value: str) -> float:
-    number = re.match(r"[\d.]+", value)
-    unit = value[number.end():] if number else ""
-    if number is None or unit not in _UNITS:
-        raise ValueError(f"unexpected h2load time {value!r}")
-    return float(number.group()) * _UNITS[unit]
-
-
 def parse_h2load(text: str) -> dict[str, Any]:
     """h2load's summary: succeeded and failed requests, req/s, mean time to first byte (ms)."""
     finished = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", text)
     requests = re.search(r"requests: (\d+) total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, "
                          r"(\d+) errored, (\d+) timeout", text)
     codes = re.search(r"status codes: (\d+) 2xx", text)
-    ttfb = re.search(r"time to 1st byte:\s+(\S+)\s+(\S+)\s+(\S+)", text)
+    ttfb = re.search(r"time to 1st byte:" + _TIME * 3, text)
     if not (finished and requests and codes and ttfb):
         raise RuntimeError(f"h2load printed no summary: {text[-1500:]}")
-    total, done, _ok, failed, errored, timeout = (int(g) for g in requests.groups())
+    _total, done, _ok, failed, errored, timeout = (int(g) for g in requests.groups())
     ok = int(codes.group(1))
     return {
-        "ok": ok, "errors": total - ok + failed + errored + timeout - (total - done),
-        "req_s": float(finished.group(1)), "ttfb_ms": _ms(ttfb.group(3)),
+        "ok": ok, "errors": done - ok + failed + errored + timeout,
+        "req_s": float(finished.group(1)), "ttfb_ms": _ms(*ttfb.groups()[4:6]),
     }
 
 
@@ -226,10 +219,9 @@ def run(args: argparse.Namespace, pin: bool) -> list[dict[str, Any]]:
             gateway = start_gateway(pod.url, pin, config)
             nginx = NginxProcess(pod.url, work / "nginx", command_prefix=pin_prefix(PROXY_CORE, pin),
                                  http2=True, tls_files=(cert, key)).start()
-            gw_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-            gw_port = int(gateway.url.rsplit(":", 1)[1])
+            gw_headers = auth_headers(api_key)
             urls = {
-                "gateway h2c": (f"http://127.0.0.1:{gw_port}{PATH}", gateway.pid, gw_headers),
+                "gateway h2c": (gateway.url + PATH, gateway.pid, gw_headers),
                 "gateway h2 (TLS)": (f"https://127.0.0.1:{tls_port}{PATH}", gateway.pid, gw_headers),
                 "nginx h2c": (f"http://127.0.0.1:{nginx.h2c_port}{PATH}", nginx.pid, {}),
                 "nginx h2 (TLS)": (f"https://127.0.0.1:{nginx.tls_port}{PATH}", nginx.pid, {}),
