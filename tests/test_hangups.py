@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import wait_for
 from transports.hangups import HangupWatcher, Pairing
 
 
@@ -66,7 +67,7 @@ def test_client_hanging_up_shuts_the_pod_socket_down(watcher: HangupWatcher) -> 
     pairing, gw_client, client, gw_pod, pod = attached(watcher)
     client.close()  # FIN; nothing else in this process reads gw_client
     assert pod_sees_eof(pod)
-    assert watcher.shut_down == 1
+    assert wait_for(lambda: watcher.shut_down == 1)  # counted just after the shutdown
     watcher.unpair(pairing)
     for s in (gw_client, gw_pod, pod):
         s.close()
@@ -100,7 +101,7 @@ def test_an_unpaired_or_detached_pod_socket_is_left_alone(watcher: HangupWatcher
     pairing, gw_client, client, gw_pod, pod = attached(watcher)
     client.close()
     assert pod_sees_eof(pod)
-    assert watcher.shut_down == 1
+    assert wait_for(lambda: watcher.shut_down == 1)  # counted just after the shutdown
     assert all(pod_still_open(p) for p in left_alone)
     for s in [*sockets, gw_client, gw_pod, pod]:
         s.close()
@@ -163,7 +164,7 @@ def test_a_hang_up_is_not_taken_for_the_next_client_given_the_same_descriptor(wa
     assert watcher.shut_down == 0
     client.close()
     assert pod_sees_eof(pod)
-    assert watcher.shut_down == 1
+    assert wait_for(lambda: watcher.shut_down == 1)  # counted just after the shutdown
     watcher.unpair(new)
     for s in (leaver_gw, leaver, gw_client, gw_pod, pod):
         s.close()
