@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from gateway.auth.keystore import hash_key, new_key, write_file
 from gateway.rlimits import raise_open_file_limit
+from loadtest.floor import FloorProcess
 from loadtest.nginx import NginxProcess, nginx_binary
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
@@ -44,7 +45,7 @@ from loadtest.report import replace_marked_section
 
 MODEL = "bench-model"
 DEFAULT_REPEATS = 3
-TARGETS = ("direct", "gateway", "nginx", "gateway-plain", "gateway-2w")
+TARGETS = ("direct", "gateway", "nginx", "gateway-plain", "gateway-2w", "floor")
 DEFAULT_TARGETS = ("direct", "gateway", "nginx")
 PROXY_CORE = 1
 LOAD_CORE = 0
@@ -415,7 +416,7 @@ def run_once(
     result = RunResult(scenario.key, target, repeat)
     workdir = Path(tempfile.mkdtemp(prefix=f"{scenario.key}-{target}-{repeat}-", dir=scratch))
     pod: PodsimProcess | None = None
-    proxy: GatewayProcess | NginxProcess | None = None
+    proxy: GatewayProcess | NginxProcess | FloorProcess | None = None
     try:
         pod = start_pod(scenario, pin)
         base = pod.url
@@ -427,6 +428,9 @@ def run_once(
         elif target == "nginx":
             proxy = NginxProcess(pod.url, workdir / "nginx", command_prefix=pin_prefix(PROXY_CORE, pin))
             proxy.start()
+            base = proxy.url
+        elif target == "floor":
+            proxy = FloorProcess(pod.url, command_prefix=pin_prefix(PROXY_CORE, pin)).start()
             base = proxy.url
         warm_up(base, headers=headers)
         if scenario.streams > 1:
@@ -716,8 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", action="append", metavar="NAMES",
         help="targets, comma-separated or repeated: direct, gateway (every feature on, as in the demo), "
         "nginx, "
-        "gateway-plain (serve --upstream's defaults), gateway-2w (--workers 2, both cores; unpinned) "
-        "(default: direct, gateway, nginx)",
+        "gateway-plain (serve --upstream's defaults), gateway-2w (--workers 2, both cores; unpinned), "
+        "floor (the least a uvloop relay costs: loadtest/floor.py) (default: direct, gateway, nginx)",
     )
     parser.add_argument(
         "--repeats", type=int, default=None,
