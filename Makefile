@@ -62,7 +62,7 @@ bench-deps: setup  # the bench extra (matplotlib, py-spy, ...) and Debian's ngin
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client >/dev/null 2>&1; } || \
 		echo "bench: h2load could not be installed; its rows and the scale curve's top levels will be skipped"
 
-bench: bench-deps  ## direct vs gateway vs nginx; installs nginx from Debian when it can
+bench: bench-deps  ## direct vs gateway vs nginx vs the uvloop floor; installs nginx from Debian when it can
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
 	$(BIN)/python -m loadtest.bench_resume $(BENCH_RESUME_ARGS)

@@ -46,7 +46,7 @@ from loadtest.report import replace_marked_section
 MODEL = "bench-model"
 DEFAULT_REPEATS = 3
 TARGETS = ("direct", "gateway", "nginx", "gateway-plain", "gateway-2w", "floor")
-DEFAULT_TARGETS = ("direct", "gateway", "nginx")
+DEFAULT_TARGETS = ("direct", "gateway", "nginx", "floor")
 PROXY_CORE = 1
 LOAD_CORE = 0
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -721,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="targets, comma-separated or repeated: direct, gateway (every feature on, as in the demo), "
         "nginx, "
         "gateway-plain (serve --upstream's defaults), gateway-2w (--workers 2, both cores; unpinned), "
-        "floor (the least a uvloop relay costs: loadtest/floor.py) (default: direct, gateway, nginx)",
+        "floor (the least a uvloop relay costs: loadtest/floor.py) (default: direct, gateway, nginx, floor)",
     )
     parser.add_argument(
         "--repeats", type=int, default=None,

@@ -5,7 +5,7 @@ it: one process on uvloop, one ``asyncio.Protocol`` per client and per pod conne
 pool of pod connections, the request forwarded as received and every pod read written to the client
 as it is. No features, no parsing of the answer beyond finding its chunked end, no error handling
 worth the name: it relays the pod simulator's streamed answers and nothing else, so it is a
-measuring stick (``make bench BENCH_ARGS="--target floor,nginx"``), never a proxy to deploy.
+measuring stick (one of ``make bench``'s targets), never a proxy to deploy.
 
 Whatever the gateway costs beyond this floor is its own Python per request and per read, not the
 interpreter's or uvloop's price for moving bytes.
