@@ -430,7 +430,7 @@ def run_once(
             proxy.start()
             base = proxy.url
         elif target == "floor":
-            proxy = FloorProcess(pod.url, command_prefix=pin_prefix(PROXY_CORE, pin)).start()
+            proxy = FloorProcess([pod.url], command_prefix=pin_prefix(PROXY_CORE, pin)).start()
             base = proxy.url
         warm_up(base, headers=headers)
         if scenario.streams > 1:
@@ -469,6 +469,8 @@ def run_once(
             proxy.stop()
             shutil.copy(proxy.log_path, workdir / "gateway.log")
             proxy.__exit__(None, None, None)
+        elif isinstance(proxy, FloorProcess):
+            proxy.close()  # and its stderr capture
         elif proxy is not None:
             proxy.stop()
         if pod is not None:

@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import select
-import subprocess
-import sys
-from pathlib import Path
 
 import uvloop
 
-from loadtest.nginx import free_port
-from loadtest.procs import terminate
+from loadtest.announced import AnnouncedServer, StartError
 
-READY = b"floor relay listening\n"
-_CONNECTING: set[asyncio.Future[None]] = set()
-
+READY_PREFIX = "floor listening on "
 _CHUNKED_END = b"\r\n0\r\n\r\n"  # a chunked body's last chunk, after the data chunk's own CRLF
+_CONNECTING: set[asyncio.Future[None]] = set()
 
 
 class _PodSide(asyncio.Protocol):
@@ -100,56 +94,29 @@ async def serve(host: str, port: int, pod: tuple[str, int]) -> None:
     server = await asyncio.get_running_loop().create_server(
         lambda: _ClientSide(pod, pool), host, port, backlog=4096
     )
-    sys.stdout.buffer.write(READY)
-    sys.stdout.flush()
+    bound_host, bound_port = server.sockets[0].getsockname()[:2]
+    print(f"{READY_PREFIX}http://{bound_host}:{bound_port}", flush=True)
     await server.serve_forever()
 
 
-class FloorProcess:
-    """The floor relay as a child process (``command_prefix``: e.g. ``taskset -c 1``)."""
+class FloorStartError(StartError):
+    """The floor relay exited or stayed silent instead of announcing its address."""
 
-    def __init__(
-        self, upstream_url: str, *, host: str = "127.0.0.1", command_prefix: list[str] | None = None
-    ) -> None:
-        self.upstream = upstream_url
-        self.host = host
-        self.port = free_port(host)
-        self.prefix = list(command_prefix or [])
-        self.proc: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+class FloorProcess(AnnouncedServer):
+    """``python -m loadtest.floor UPSTREAM`` (see :class:`AnnouncedServer`), e.g. pinned with
+    ``command_prefix=["taskset", "-c", "1"]``."""
 
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError("the floor relay is not running")
-        return self.proc.pid
-
-    def start(self, timeout_s: float = 10.0) -> FloorProcess:
-        cmd = [*self.prefix, sys.executable, "-m", "loadtest.floor", "--host", self.host,
-               "--port", str(self.port), self.upstream]
-        root = Path(__file__).resolve().parent.parent
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, cwd=root)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready or self.proc.stdout.readline() != READY:
-            self.stop()
-            raise RuntimeError(f"the floor relay did not start listening within {timeout_s} s")
-        return self
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            terminate(proc, 10.0)
+    module = "loadtest.floor"
+    ready_prefix = READY_PREFIX
+    start_error = FloorStartError
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.floor", description=__doc__.split("\n\n")[0])
     parser.add_argument("upstream", help="the pod, http://HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0, help="0: one the kernel picks (announced on stdout)")
     args = parser.parse_args()
     host, _, port = args.upstream.removeprefix("http://").rstrip("/").partition(":")
     uvloop.run(serve(args.host, args.port, (host, int(port))))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtest.floor import FloorProcess
+from loadtest.floor import FloorProcess, FloorStartError
 from loadtest.podsim.launch import PodsimProcess
 
 MODEL = "floor-model"
@@ -23,12 +23,9 @@ MODEL = "floor-model"
 
 @pytest.fixture(scope="module")
 def floor() -> Iterator[FloorProcess]:
-    with PodsimProcess(["--model", MODEL, "--ttft-ms", "0", "--itl-ms", "2"]) as pod:
-        relay = FloorProcess(pod.url).start()
-        try:
-            yield relay
-        finally:
-            relay.stop()
+    with PodsimProcess(["--model", MODEL, "--ttft-ms", "0", "--itl-ms", "2"]) as pod, \
+            FloorProcess([pod.url]) as relay:  # fmt: skip
+        yield relay
 
 
 @pytest.mark.parametrize("streams", [1, 20])
@@ -48,7 +45,6 @@ def test_a_relay_that_cannot_listen_says_so() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        relay = FloorProcess("http://127.0.0.1:9")
-        relay.port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match="did not start listening"):
-            relay.start(timeout_s=10)
+        relay = FloorProcess(["http://127.0.0.1:9", "--port", str(taken.getsockname()[1])])
+        with pytest.raises(FloorStartError, match="floor exited with code"):
+            relay.start()
