@@ -18,12 +18,12 @@ import hashlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.config import Config, ConfigError
+from gateway.config import Config, ConfigError, ReloadConfig
 from gateway.config_load import parse_config
 from gateway.phases.limit import build_quotas
 from gateway.pods.host import resync_static
@@ -121,6 +121,22 @@ def file_digest(path: str) -> str | None:
         return None
 
 
+async def file_changes(
+    path: str, settings: Callable[[], ReloadConfig], known: Callable[[], str | None]
+) -> AsyncIterator[str]:
+    """Every ``reload.interval_s`` while ``reload.watch`` is on, the file's hash, yielded when it is
+    not ``known()`` (the hash of what was last loaded). One polling policy for a gateway's own
+    watch and a worker pool's supervisor, which must see the same changes."""
+    while True:
+        current = settings()
+        await asyncio.sleep(current.interval_s)
+        if not current.watch:
+            continue
+        digest = await asyncio.to_thread(file_digest, path)
+        if digest is not None and digest != known():
+            yield digest
+
+
 class ConfigWatcher:
     """Reloads the gateway's config on SIGHUP, on a change of the file, or when asked (admin)."""
 
@@ -171,15 +187,9 @@ class ConfigWatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _poll(self, path: str) -> None:
-        """Every ``reload.interval_s``, the file's hash; a new one is reloaded (a bad file once)."""
-        while True:
-            settings = self.gateway.config.reload
-            await asyncio.sleep(settings.interval_s)
-            if not settings.watch:
-                continue
-            digest = await asyncio.to_thread(file_digest, path)
-            if digest is not None and digest != self._digest:
-                await self.reload("file changed")
+        """A changed file is reloaded (a bad file once: its hash is remembered either way)."""
+        async for _ in file_changes(path, lambda: self.gateway.config.reload, lambda: self._digest):
+            await self.reload("file changed")
 
     async def reload(self, why: str) -> dict[str, Any]:
         """Read the file again and apply it; the outcome, as the admin plane shows it."""

@@ -40,7 +40,7 @@ from gateway.pods.credentials import PodAccess
 from gateway.pods.host import resync_static, start_host_loops
 from gateway.pods.monitor import PodMonitor
 from gateway.pods.registry import PodRegistry
-from gateway.reload import ConfigSource, file_digest, plan
+from gateway.reload import ConfigSource, file_changes, file_digest, plan
 from gateway.workers import READY_LINE
 from gateway.workers.feed import frame, read_frame, snapshot
 from gateway.workers.local_redis import LocalRedis, needs_shared_state
@@ -78,6 +78,7 @@ class Supervisor:
         self.count = workers
         self.argv = argv
         self.source = source
+        self._loaded_digest: str | None = None  # the config file's hash as last loaded (its watch)
         self.dir = tempfile.mkdtemp(prefix="sluicegate-workers-")
         self.workers = [_Worker(i) for i in range(workers)]
         self.redis: LocalRedis | None = None
@@ -405,16 +406,10 @@ class Supervisor:
         """The config file, polled as each worker polls it (``reload.watch``): the supervisor's
         snapshots carry the pod list, so a change the workers saw and it did not would be pushed
         back out of them within a probe interval. The workers reload by themselves."""
-        digest = await asyncio.to_thread(file_digest, path)
-        while True:
-            settings = self.config.reload
-            await asyncio.sleep(settings.interval_s)
-            if not settings.watch:
-                continue
-            new = await asyncio.to_thread(file_digest, path)
-            if new is not None and new != digest:
-                digest = new
-                await self._reload_own("file changed")
+        self._loaded_digest = await asyncio.to_thread(file_digest, path)
+        async for digest in file_changes(path, lambda: self.config.reload, lambda: self._loaded_digest):
+            self._loaded_digest = digest
+            await self._reload_own("file changed")
 
     def _apply(self, loaded: Config) -> None:
         running = self.config
