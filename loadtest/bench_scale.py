@@ -52,7 +52,6 @@ from gateway.rlimits import raise_open_file_limit
 from loadtest.bench import (
     LOAD_CORE,
     MODEL,
-    PROXY_CORE,
     Scenario,
     can_pin,
     cpu_delta_s,
@@ -62,7 +61,7 @@ from loadtest.bench import (
     pin_prefix,
     process_tree,
     run_loadgen,
-    wait_ready,
+    start_gateway,
     warm_up,
 )
 from loadtest.bench_overload import bucket_quantile
@@ -295,8 +294,7 @@ def run_level(streams: int, spec: ScaleSpec, pin: bool) -> Level:
     try:
         pods = start_pods(level.pods, streams, spec, pin)
         config = {"pods": [{"name": f"pod-{i}", "url": p.url, "models": [MODEL]} for i, p in enumerate(pods)]}
-        gateway = GatewayProcess(config, cpu=PROXY_CORE if pin else None).start()
-        wait_ready(gateway)
+        gateway = start_gateway(pods[0].url, pin, config)
         warm_up(gateway.url, count=2)  # first-request costs (imports, pools) stay out of the numbers
         scenario = Scenario(
             "scale", f"{streams} slow streams", streams, spec.requests, spec.tokens,
