@@ -33,6 +33,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.access_log import ACCESS
 from gateway.admin import KeyLookup
 from gateway.app import Gateway
 from gateway.config import AdminConfig, Config, ConfigError
@@ -81,6 +82,7 @@ def configure_logging(level: str = "info", process: str | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(_Formatter(fmt))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    ACCESS.configure(process)
 
 
 @dataclass

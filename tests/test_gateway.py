@@ -316,6 +316,27 @@ def test_client_leaving_while_waiting_for_the_first_token_aborts_too(fleet: Flee
     assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)
 
 
+def test_access_log_lines_look_like_every_log_line_and_follow_the_log_level(fleet: Fleet) -> None:
+    config = {"server": {"host": "127.0.0.1"},
+              "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}]}  # fmt: skip
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    with GatewayProcess(config) as gw:
+        with httpx.Client(timeout=30) as client:  # one line per request, in order, each whole
+            for i in range(20):
+                assert client.post(gw.url + "/v1/chat/completions", json=CHAT,
+                                   headers={"x-request-id": f"line-{i}"}).status_code == 200  # fmt: skip
+        gw.stop()
+        lines = [line for line in gw.log().splitlines() if "sluicegate.access: " in line]
+    assert len(lines) == 20
+    for i, line in enumerate(lines):
+        shape = stamp + f" INFO sluicegate.access: rid=line-{i} .* status=200 outcome=ok .*"
+        assert re.fullmatch(shape, line)
+    with GatewayProcess(config, extra_args=["--log-level", "warning"]) as quiet:
+        assert httpx.post(quiet.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+        quiet.stop()
+        assert "sluicegate.access" not in quiet.log()
+
+
 def test_the_access_log_can_be_json_lines(fleet: Fleet) -> None:
     config = {"server": {"host": "127.0.0.1", "access_log_format": "json"},
               "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}]}  # fmt: skip

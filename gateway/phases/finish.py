@@ -4,16 +4,14 @@ line. Runs once per request, whatever happened before."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 
+from gateway.access_log import ACCESS
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import Limit
 from gateway.usage import relayed_usage
-
-access_log = logging.getLogger("sluicegate.access")
 
 # the stream reached its end (a resumed one on a second pod; on stable after a canary rollback)
 _WHOLE = frozenset(("ok", "resumed", "resumed_rollback"))
@@ -54,28 +52,18 @@ def finish(
     if ex.span is not None:  # tracing on: the request's span ends with its outcome
         ex.span.end(ex)
     if log_access and log_json:
-        access_log.info("%s", json.dumps(access_record(ex, elapsed), separators=(",", ":")))
+        ACCESS.write(json.dumps(access_record(ex, elapsed), separators=(",", ":")))
     elif log_access:
         caller = ex.caller
-        access_log.info(
-            "rid=%s client=%s key=%s route=%s transport=%s model=%s variant=%s stream=%s pod=%s status=%d "
-            "outcome=%s ttft_ms=%s duration_ms=%.1f chunks=%d attempts=%s resumes=%d",
-            ex.rid,
-            ex.client,
-            "-" if caller is None or caller.key_id is None else caller.key_id,
-            ex.route,
-            ex.transport,
-            model,
-            ex.variant or "-",
-            int(bool(ex.req and ex.req.stream)),
-            ex.pod.name if ex.pod else "-",
-            ex.status,
-            ex.detail,
-            "-" if ex.ttft is None else f"{ex.ttft * 1000:.1f}",
-            elapsed * 1000,
-            ex.chunks,
-            ",".join(ex.attempts) or "-",
-            ex.resumes,
+        key = "-" if caller is None or caller.key_id is None else caller.key_id
+        stream = int(bool(ex.req and ex.req.stream))
+        pod = ex.pod.name if ex.pod else "-"
+        ttft = "-" if ex.ttft is None else f"{ex.ttft * 1000:.1f}"
+        ACCESS.write(
+            f"rid={ex.rid} client={ex.client} key={key} route={ex.route} transport={ex.transport} "
+            f"model={model} variant={ex.variant or '-'} stream={stream} pod={pod} status={ex.status} "
+            f"outcome={ex.detail} ttft_ms={ttft} duration_ms={elapsed * 1000:.1f} chunks={ex.chunks} "
+            f"attempts={','.join(ex.attempts) or '-'} resumes={ex.resumes}"
         )
 
 
