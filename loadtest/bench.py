@@ -45,7 +45,10 @@ from loadtest.report import replace_marked_section
 
 MODEL = "bench-model"
 DEFAULT_REPEATS = 3
-TARGETS = ("direct", "gateway", "nginx", "gateway-plain", "gateway-2w", "floor")
+TARGETS = (
+    "direct", "gateway", "nginx", "gateway-plain", "gateway-2w", "gateway-no-resume", "gateway-no-quota",
+    "floor",
+)
 DEFAULT_TARGETS = ("direct", "gateway", "nginx", "floor")
 PROXY_CORE = 1
 LOAD_CORE = 0
@@ -223,6 +226,15 @@ def gateway_config(pod_url: str, keys_file: Path, features: bool = True) -> tupl
         "resume": {"models": ["*"], "max_per_request": 2},
     })
     return config, key
+
+
+def without_feature(config: dict[str, Any], target: str) -> None:
+    """``gateway-no-resume`` and ``gateway-no-quota``: the ``gateway`` config less one feature, to
+    measure what that feature costs (``docs/benchmarks.md``, "What each feature costs")."""
+    if target == "gateway-no-resume":
+        del config["resume"]
+    elif target == "gateway-no-quota":
+        del config["tiers"]["bench"]["quota"]
 
 
 def start_gateway(
@@ -423,6 +435,7 @@ def run_once(
         headers: dict[str, str] = {}
         if target.startswith("gateway"):
             config, key = gateway_config(pod.url, workdir / "keys.yaml", features=target != "gateway-plain")
+            without_feature(config, target)
             proxy = start_gateway(pod.url, pin, config, workers=2 if target == "gateway-2w" else 1)
             base, headers = proxy.url, auth_headers(key)
         elif target == "nginx":
@@ -723,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="targets, comma-separated or repeated: direct, gateway (every feature on, as in the demo), "
         "nginx, "
         "gateway-plain (serve --upstream's defaults), gateway-2w (--workers 2, both cores; unpinned), "
+        "gateway-no-resume and gateway-no-quota (every feature but that one), "
         "floor (the least a uvloop relay costs: loadtest/floor.py) (default: direct, gateway, nginx, floor)",
     )
     parser.add_argument(
