@@ -37,7 +37,7 @@ from gateway.resume import (
 from gateway.retries import Retryable
 from gateway.usage import UsageTap, content_events, tokens_of, trailing_reads, wants_usage
 from transports import sse
-from transports.client_socket import client_socket
+from transports.client_socket import client_socket, start_response
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
 
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
@@ -90,14 +90,11 @@ class StreamRelay:
         send = ex.send
         req = ex.req
         assert req is not None and ex.budget is not None and ex.watch is not None
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
-            }
-        )
-        ex.status = 200
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [*ex.response_headers(content_type), *_SSE_HEADERS],
+        }
         ex.ttft = time.perf_counter() - ex.started
         # Only chat and completions chunks can be recorded and continued elsewhere (not the Responses API)
         resumable = req.route in CHUNK_ROUTES and self.config.resume.enabled_for(req.model)
@@ -108,7 +105,8 @@ class StreamRelay:
             first = tap.head(first)
         elif recorder is None:  # tokens relayed, counted by reads from here on (see _pump)
             ex.tokens_relayed = content_events(first)
-        await send({"type": "http.response.body", "body": first, "more_body": True})
+        await start_response(send, start, {"type": "http.response.body", "body": first, "more_body": True})
+        ex.status = 200
         choices = choices_of(req.payload)
         finish = FinishWatch() if choices > 1 else None
         if finish is not None:

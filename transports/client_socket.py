@@ -80,6 +80,47 @@ class ClientSocket:
         return sink
 
 
+class _Gathered:
+    """Stands in for uvicorn's transport while a response's head and first chunk are framed."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+
+async def start_response(
+    send: Callable[[dict[str, Any]], Awaitable[None]], start: dict[str, Any], first: dict[str, Any]
+) -> None:
+    """Send a response's ``start`` and ``first`` body messages; under uvicorn's HTTP/1.1, as one write.
+
+    uvicorn writes the status line and headers on ``http.response.start`` and each body on its own:
+    two system calls, and two wake-ups of the client, before it sees the first token. Here uvicorn
+    frames both as usual (its keep-alive and chunked state stay its own) into a stand-in for its
+    transport, and the bytes go out together. Neither message can wait for the client (its write
+    buffer is not full: checked first), so nothing else runs while the stand-in is in place. Any
+    other server, or a full buffer, gets the two messages as they are."""
+    owner = getattr(send, "__self__", None)
+    transport = getattr(owner, "transport", None)
+    flow = getattr(owner, "flow", None)
+    if transport is None or flow is None or flow.write_paused or getattr(owner, "response_started", True):
+        await send(start)
+        await send(first)
+        return
+    gathered = _Gathered()
+    owner.transport = gathered  # type: ignore[union-attr]
+    try:
+        await send(start)
+        await send(first)
+    finally:
+        owner.transport = transport  # type: ignore[union-attr]
+    if gathered.parts and not transport.is_closing():
+        transport.write(b"".join(gathered.parts))
+
+
 def client_socket(send: Callable[[dict[str, Any]], Awaitable[None]]) -> SpliceTarget | None:
     """The splice target behind ``send`` once its response has started, else None (see module doc)."""
     owner = getattr(send, "__self__", None)
