@@ -24,7 +24,6 @@ import logging
 import socket
 import ssl
 import sys
-import time
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -33,7 +32,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.access_log import ACCESS
+from gateway.access_log import ACCESS, LogTime
 from gateway.admin import KeyLookup
 from gateway.app import Gateway
 from gateway.config import AdminConfig, Config, ConfigError
@@ -50,22 +49,16 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _Formatter(logging.Formatter):
-    """The standard formatter with the time's text made once per second, not once per line.
+    """The standard formatter with the time's text from ``LogTime`` (its seconds made once a second)."""
 
-    Every request writes an access-log line: ``time.localtime`` and ``strftime`` for each were ~3%
-    of the event loop's busy time with one stream of short requests."""
-
-    _second = -1
-    _text = ""
+    def __init__(self, fmt: str) -> None:
+        super().__init__(fmt)
+        self._time = LogTime()
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
-        if second != self._second:
-            self._text = time.strftime(self.default_time_format, self.converter(second))
-            self._second = second
-        return self.default_msec_format % (self._text, record.msecs)
+        return self._time(record.created)
 
 
 def configure_logging(level: str = "info", process: str | None = None) -> None:
@@ -82,7 +75,7 @@ def configure_logging(level: str = "info", process: str | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(_Formatter(fmt))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    ACCESS.configure(process)
+    ACCESS.configure(fmt)
 
 
 @dataclass
