@@ -1,29 +1,43 @@
 """``serve --workers N``: what a second worker process buys on this machine.
 
-One pod simulator, as fast as it can go (no pacing), and the gateway with every feature on (as the
-``gateway`` target of ``loadtest.bench``) run with one worker and with two, and the pod straight.
-Nothing is pinned: the workers are meant to use every core, and they share this 2-core machine with
-the pod and the load generator, so the figures are what the whole host delivers at saturation:
+The gateway with every feature on (as the ``gateway`` target of ``loadtest.bench``), run with one
+worker and with two, and the pod straight, in two setups. Nothing is pinned: the workers are meant
+to use every core, and they share this 2-core machine with the pod and the load generator.
 
-- tokens/s received by the load generator;
-- the gateway's CPU per 1000 tokens (every process of it: with two workers, the supervisor, both
-  workers and the private ``redis-server`` that carries their shared quota counters);
-- the cores the gateway kept busy (its CPU seconds over the wall time).
+- **gateway-bound** (``--setup nginx``): the pod is nginx answering every request with one canned
+  vLLM stream from a file (``loadtest/nginx_pod.py``) and the load is ``h2load --h1`` (C, one
+  thread): neighbours that cost a fraction of the gateway per request, so the gateway is what runs
+  out of CPU, as on a gateway pod with its own cores. h2load does not show bodies: one answer
+  through the gateway is read whole (its tokens and ``[DONE]`` counted) before each load.
+- **whole host** (``--setup podsim``): the pod simulator as fast as it goes and the Python load
+  generator, streaming; they cost more per token than the gateway, so what a second worker can
+  take is what they leave.
 
-    python -m loadtest.bench_workers [--streams 256] [--tokens 512] [--repeats 3] [--write-md FILE]
+For each: tokens/s received by the load generator; the gateway's CPU per 1000 tokens (every process
+of it: with two workers, the supervisor, both workers and the private ``redis-server`` that carries
+their shared quota counters); the cores the gateway kept busy, and (gateway-bound) those the pod and
+the load generator did, so the row says whether the machine was full.
+
+    python -m loadtest.bench_workers [--setup nginx,podsim] [--repeats 3] [--write-md FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.rlimits import raise_open_file_limit
 from loadtest.bench import (
+    MODEL,
     Scenario,
     auth_headers,
     cpu_delta_s,
@@ -35,23 +49,99 @@ from loadtest.bench import (
     start_pod,
     warm_up,
 )
+from loadtest.bench_h2 import H2LOAD, chat_body, parse_h2load
+from loadtest.loadgen import DONE_MARKER, count_tokens
+from loadtest.nginx import nginx_binary
+from loadtest.nginx_pod import NginxPod
+from loadtest.procs import GatewayProcess
 from loadtest.report import command_line, publish
 
 TARGETS = {"direct": 0, "1 worker": 1, "2 workers": 2}
+SETUPS = ("nginx", "podsim")
 
 
-def run_once(target: str, scenario: Scenario, scratch: Path) -> dict[str, Any]:
-    """A fresh pod (and gateway), a warm-up, then the load; tokens/s and the gateway's CPU."""
+def _gateway(pod_url: str, workers: int, work: Path) -> tuple[GatewayProcess | None, str, dict[str, str]]:
+    """The gateway in front of ``pod_url`` with ``workers`` (none for ``direct``): its URL and key."""
+    if not workers:
+        return None, pod_url, {}
+    config, key = gateway_config(pod_url, work / "keys.yaml")
+    gateway = start_gateway(pod_url, False, config, workers=workers)
+    return gateway, gateway.url, auth_headers(key)
+
+
+def _stop(gateway: GatewayProcess | None) -> None:
+    if gateway is not None:
+        gateway.__exit__(None, None, None)
+
+
+def _tokens_of_one(base: str, headers: dict[str, str], tokens: int) -> int:
+    """One streamed answer read whole: its tokens; a ``RuntimeError`` when it did not end with ``[DONE]``."""
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", chat_body(tokens),
+                     {"content-type": "application/json", **headers})
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200 or DONE_MARKER not in body:
+        raise RuntimeError(f"an answer through {base} was not whole: HTTP {resp.status}, {body[-300:]!r}")
+    return count_tokens(body)
+
+
+def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """The gateway-bound setup: nginx's canned answer, ``h2load --h1``; tokens/s and everyone's CPU."""
+    workers = TARGETS[target]
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        work = Path(tmp)
+        pod = NginxPod(work / "pod", MODEL, args.tokens).start()
+        body = work / "body.json"
+        body.write_bytes(chat_body(args.tokens))
+        gateway, base, headers = _gateway(pod.url, workers, work)
+        try:
+            got = _tokens_of_one(base, headers, args.tokens)
+            if got != args.tokens:
+                raise RuntimeError(f"an answer through {base} had {got} tokens, not {args.tokens}")
+            argv = [H2LOAD, "--h1", "-c", str(args.clients), "-d", str(body),
+                    "-H", "content-type: application/json",
+                    *(item for name, value in headers.items() for item in ("-H", f"{name}: {value}")),
+                    base + "/v1/chat/completions"]
+            warm = [*argv[:4], "-n", str(args.clients * 20), *argv[4:]]
+            subprocess.run(warm, capture_output=True, check=False)
+            mine = process_tree(gateway.pid) if gateway else []
+            before, pod_before = cpu_ticks(mine), cpu_ticks(process_tree(pod.pid))
+            load_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            started = time.monotonic()
+            done = subprocess.run([*argv[:4], "-n", str(args.requests), *argv[4:]],
+                                  capture_output=True, text=True, timeout=600, check=False)
+            wall = time.monotonic() - started
+            load_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            user, system = cpu_delta_s(before, cpu_ticks(process_tree(gateway.pid) if gateway else []))
+            pod_user, pod_system = cpu_delta_s(pod_before, cpu_ticks(process_tree(pod.pid)))
+        finally:
+            _stop(gateway)
+            pod.stop()
+    load = parse_h2load(done.stdout + done.stderr)
+    tokens = load["ok"] * args.tokens
+    load_cpu = sum(getattr(load_after, f) - getattr(load_before, f) for f in ("ru_utime", "ru_stime"))
+    return {
+        "setup": "nginx", "target": target, "errors": load["errors"], "tokens_per_s": tokens / wall,
+        "req_s": load["ok"] / wall,
+        "cpu_ms_per_1k": (user + system) * 1e6 / tokens if workers and tokens else None,
+        "cores": (user + system) / wall if workers else None,
+        "others_cores": (pod_user + pod_system + load_cpu) / wall,
+    }
+
+
+def run_podsim(target: str, scenario: Scenario, scratch: Path) -> dict[str, Any]:
+    """The whole-host setup: a fresh pod simulator (and gateway), a warm-up, then the load."""
     workers = TARGETS[target]
     with tempfile.TemporaryDirectory(dir=scratch) as work:
         pod = start_pod(scenario, pin=False)
         gateway = None
         try:
-            base, headers = pod.url, {}
-            if workers:
-                config, key = gateway_config(pod.url, Path(work) / "keys.yaml")
-                gateway = start_gateway(pod.url, False, config, workers=workers)
-                base, headers = gateway.url, auth_headers(key)
+            gateway, base, headers = _gateway(pod.url, workers, Path(work))
             warm_up(base, headers=headers)
             url = base + "/v1/chat/completions"
             run_loadgen(url, scenario, False, requests=1, max_tokens=2, headers=headers)
@@ -60,62 +150,103 @@ def run_once(target: str, scenario: Scenario, scratch: Path) -> dict[str, Any]:
             load = run_loadgen(url, scenario, False, headers=headers)
             user, system = cpu_delta_s(before, cpu_ticks(process_tree(gateway.pid) if gateway else []))
         finally:
-            if gateway is not None:
-                gateway.__exit__(None, None, None)
+            _stop(gateway)
             pod.stop()
             pod.close()
     tokens, wall = load["tokens"], load["wall_s"] or 1.0
     return {
-        "target": target, "errors": load["errors"], "tokens_per_s": load["tokens_per_s"],
+        "setup": "podsim", "target": target, "errors": load["errors"], "tokens_per_s": load["tokens_per_s"],
         "cpu_ms_per_1k": (user + system) * 1e6 / tokens if workers and tokens else None,
         "cores": (user + system) / wall if workers else None,
     }
 
 
-def render(rows: list[dict[str, Any]], scenario: Scenario, repeats: int, argv: list[str] | None) -> str:
-    out = [
-        f"Command: `{command_line('loadtest.bench_workers', argv)}`  ",
-        f"{scenario.streams} concurrent streams of {scenario.max_tokens} tokens, {scenario.requests} each, "
-        f"from a pod with no pacing; nothing pinned; medians of {repeats} interleaved runs.",
-        "",
-        "| target | errors | tokens/s | gateway CPU-ms per 1000 tokens | gateway cores busy |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for target in TARGETS:
-        mine = [r for r in rows if r["target"] == target]
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _cell(value: float | None, form: str) -> str:
+    return "—" if value is None else format(value, form)
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] | None) -> str:
+    out = [f"Command: `{command_line('loadtest.bench_workers', argv)}`  ",
+           f"Nothing pinned; medians of {args.repeats} interleaved runs.", ""]
+    for setup in args.setups:
+        mine = [r for r in rows if r["setup"] == setup]
         if not mine:
             continue
-        tps = statistics.median(r["tokens_per_s"] for r in mine)
-        cpu = [r["cpu_ms_per_1k"] for r in mine if r["cpu_ms_per_1k"] is not None]
-        cores = [r["cores"] for r in mine if r["cores"] is not None]
-        out.append(
-            f"| {target} | {sum(r['errors'] for r in mine)} | {tps:.0f} "
-            f"| {statistics.median(cpu):.1f} | {statistics.median(cores):.2f} |" if cpu else
-            f"| {target} | {sum(r['errors'] for r in mine)} | {tps:.0f} | — | — |"
-        )
-    return "\n".join(out)
+        if setup == "nginx":
+            out += [
+                f"**Gateway-bound**: nginx answering a canned {args.tokens}-token vLLM stream, "
+                f"`h2load --h1` with {args.clients} connections, {args.requests} requests.",
+                "",
+                "| target | errors | requests/s | tokens/s | gateway CPU-ms per 1000 tokens "
+                "| gateway cores busy | pod + h2load cores busy |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
+            ]
+        else:
+            out += [
+                f"**Whole host**: the pod simulator unpaced, {args.streams} concurrent streams of "
+                f"{args.stream_tokens} tokens, {args.stream_requests} each, from the Python load generator.",
+                "",
+                "| target | errors | tokens/s | gateway CPU-ms per 1000 tokens | gateway cores busy |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+        for target in TARGETS:
+            group = [r for r in mine if r["target"] == target]
+            if not group:
+                continue
+            cells = [target, str(sum(r["errors"] for r in group))]
+            if setup == "nginx":
+                cells.append(_cell(_median(group, "req_s"), ".0f"))
+            cells += [_cell(_median(group, "tokens_per_s"), ".0f"),
+                      _cell(_median(group, "cpu_ms_per_1k"), ".1f"), _cell(_median(group, "cores"), ".2f")]
+            if setup == "nginx":
+                cells.append(_cell(_median(group, "others_cores"), ".2f"))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_workers", description=(__doc__ or "").split("\n")[0]
     )
-    parser.add_argument("--streams", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--requests", type=int, default=2)
+    parser.add_argument("--setup", default="nginx,podsim",
+                        help="comma list of setups: nginx (gateway-bound), podsim (whole host)")
+    parser.add_argument("--tokens", type=int, default=64, help="nginx setup: tokens in the canned answer")
+    parser.add_argument("--clients", type=int, default=64, help="nginx setup: h2load's connections")
+    parser.add_argument("--requests", type=int, default=20000, help="nginx setup: requests in all")
+    parser.add_argument("--streams", type=int, default=256, help="podsim setup: concurrent streams")
+    parser.add_argument("--stream-tokens", type=int, default=512, help="podsim setup: tokens a request")
+    parser.add_argument("--stream-requests", type=int, default=2, help="podsim setup: requests a stream")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write-md", metavar="FILE")
     args = parser.parse_args(argv)
+    args.setups = [s.strip() for s in args.setup.split(",") if s.strip()]
+    unknown = [s for s in args.setups if s not in SETUPS]
+    if unknown or not args.setups:
+        parser.error(f"--setup takes {', '.join(SETUPS)}; not {', '.join(unknown) or 'nothing'}")
+    if "nginx" in args.setups and (nginx_binary() is None or not Path(H2LOAD).exists()):
+        print("bench_workers: the gateway-bound setup needs nginx and h2load (make bench-deps); skipped",
+              file=sys.stderr)
+        args.setups.remove("nginx")
     raise_open_file_limit()
-    scenario = Scenario("w", "saturation", args.streams, args.requests, args.tokens, itl_ms=0.0)
+    scenario = Scenario("w", "saturation", args.streams, args.stream_requests, args.stream_tokens, itl_ms=0.0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as scratch:
         for repeat in range(args.repeats):
-            for target in TARGETS:
-                row = run_once(target, scenario, Path(scratch))
-                print(f"bench_workers: {target} #{repeat + 1}: {row}", file=sys.stderr)
-                rows.append(row)
-    publish(render(rows, scenario, args.repeats, argv), args.write_md, "workers")
+            for setup in args.setups:
+                for target in TARGETS:
+                    if setup == "nginx":
+                        row = run_nginx_pod(target, args, Path(scratch))
+                    else:
+                        row = run_podsim(target, scenario, Path(scratch))
+                    print(f"bench_workers: {setup} {target} #{repeat + 1}: {row}", file=sys.stderr)
+                    rows.append(row)
+    publish(render(rows, args, argv), args.write_md, "workers")
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

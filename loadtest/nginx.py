@@ -129,6 +129,45 @@ def render_config(
     )
 
 
+def launch(
+    binary: str, workdir: Path, config: str, address: tuple[str, int], prefix: list[str], timeout_s: float
+) -> subprocess.Popen[bytes]:
+    """nginx in the foreground with ``config`` (written to ``workdir``), once it accepts
+    connections on ``address``; a ``RuntimeError`` or ``TimeoutError`` saying why it did not."""
+    for sub in ("body", "proxy"):
+        (workdir / sub).mkdir(parents=True, exist_ok=True)
+    conf = workdir / "nginx.conf"
+    conf.write_text(config)
+    cmd = [*prefix, binary, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log")]
+    log = open(workdir / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    finally:
+        log.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"nginx exited with {proc.returncode}: {error_log(workdir)}")
+        try:
+            with socket.create_connection(address, timeout=0.5):
+                return proc
+        except OSError:
+            time.sleep(0.02)
+    terminate(proc, 10.0)
+    where = f"{address[0]}:{address[1]}"
+    raise TimeoutError(f"nginx did not listen on {where} within {timeout_s} s: {error_log(workdir)}")
+
+
+def error_log(workdir: Path) -> str:
+    """What nginx said in ``workdir`` (its stderr and error log), the last 2000 characters."""
+    texts = []
+    for name in ("stderr.log", "error.log"):
+        path = workdir / name
+        if path.exists():
+            texts.append(path.read_text(errors="replace").strip())
+    return " | ".join(t for t in texts if t)[-2000:]
+
+
 class NginxProcess:
     """nginx in the foreground (``daemon off``) in its own scratch directory.
 
@@ -181,43 +220,20 @@ class NginxProcess:
 
     def start(self, timeout_s: float = 10.0) -> NginxProcess:
         """Write the config, start nginx and wait until it accepts connections."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        for sub in ("body", "proxy"):
-            (self.workdir / sub).mkdir(exist_ok=True)
-        conf = self.workdir / "nginx.conf"
         h2c = f"{self.host}:{self.h2c_port}" if self.h2c_port else None
         tls = f"{self.host}:{self.tls_port}" if self.tls_port else None
-        conf.write_text(render_config(
-            self.workdir, f"{self.host}:{self.port}", self.upstream, workers=self.workers,
-            h2c_listen=h2c, tls_listen=tls, tls_files=self.tls_files,
-        ))
-        cmd = [*self.prefix, self.binary, "-p", str(self.workdir), "-c", str(conf), "-e",
-               str(self.workdir / "error.log")]
-        log = open(self.workdir / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nginx exited with {self.proc.returncode}: {self.error_log()}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise TimeoutError(f"nginx did not listen on {self.url} within {timeout_s} s: {self.error_log()}")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = launch(
+            self.binary, self.workdir, render_config(
+                self.workdir, f"{self.host}:{self.port}", self.upstream, workers=self.workers,
+                h2c_listen=h2c, tls_listen=tls, tls_files=self.tls_files,
+            ), (self.host, self.port), self.prefix, timeout_s,
+        )
+        return self
 
     def error_log(self) -> str:
         """nginx's own complaints, for error messages that say why it did not start."""
-        texts = []
-        for name in ("stderr.log", "error.log"):
-            path = self.workdir / name
-            if path.exists():
-                texts.append(path.read_text(errors="replace").strip())
-        return " | ".join(t for t in texts if t)[-2000:]
+        return error_log(self.workdir)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Fast shutdown (SIGTERM), then SIGKILL if it lingers."""
