@@ -31,6 +31,7 @@ import httpx
 import pytest
 import uvicorn
 import yaml
+from hpack import NeverIndexedHeaderTuple
 
 from gateway.config import ConfigError
 from gateway.config_load import parse_config, with_overrides
@@ -106,7 +107,8 @@ class SseApp:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream"), (b"Connection", b"keep-alive"),
-                (b"x-http-version", scope["http_version"].encode())]})
+                (b"x-http-version", scope["http_version"].encode()),
+                (b"x-request-id", headers.get(b"x-test-id", b"-")), (b"x-padded", b" value\t")]})
             if path == "/bulk":
                 chunk = b"x" * int(query.get("size", "4096"))
                 for _ in range(int(query.get("chunks", "100"))):
@@ -481,6 +483,41 @@ async def test_an_invalid_response_header_is_the_apps_error_not_the_connections(
         assert client.status[good] == 200
     finally:
         client.close()
+
+
+async def test_response_headers_are_normalised_and_per_response_values_kept_out_of_hpacks_table(
+    srv: Running,
+) -> None:
+    """The client validates what it receives (h2's default): a value with surrounding whitespace
+    arrives stripped, a connection header not at all. Request ids, different on every response, are
+    sent never-indexed, so they do not crowd the repeated headers out of the client's HPACK table."""
+    client = await RawH2.open(srv.port)
+    responses: list[list[tuple[bytes, bytes]]] = []
+    on = client._on
+
+    def keep(event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.ResponseReceived):
+            responses.append(event.headers)
+        on(event)
+
+    client._on = keep  # type: ignore[method-assign]
+    try:
+        for i in range(20):
+            sid = client.request("/sse?n=1", rid=f"hpack-{i}")
+            await client.pump_until(lambda sid=sid: sid in client.ended)
+            assert client.status[sid] == 200
+    finally:
+        client.close()
+    for i, headers in enumerate(responses):
+        fields = dict(headers)
+        assert fields[b"x-padded"] == b"value"
+        assert b"connection" not in fields
+        assert fields[b"x-request-id"] == f"hpack-{i}".encode()
+        (rid,) = (h for h in headers if h[0] == b"x-request-id")
+        assert isinstance(rid, NeverIndexedHeaderTuple)
+    table = client.conn.decoder.header_table.dynamic_entries
+    assert not [entry for entry in table if entry[0] == b"x-request-id"]
+    assert (b"content-type", b"text/event-stream") in table
 
 
 async def test_many_concurrent_streams_share_one_connection(srv: Running) -> None:

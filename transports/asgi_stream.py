@@ -60,6 +60,7 @@ ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 # answer carries "connection: close"), so they are dropped rather than failing the response.
 _BAD_NAME = re.compile(rb"[^a-z0-9!#$%&'*+\-.^_`|~]")  # after lower-casing; RFC 9110 token
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")  # RFC 9113 section 8.2.1, RFC 9114 section 4.2
+_SPACE = b" \t"
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
 
 
@@ -279,6 +280,8 @@ class AsgiStream:
                     # as uvicorn's HTTP/1.1 does; sent, it would break the whole connection
                     raise RuntimeError(f"invalid HTTP response header {name!r}: {value!r}")
                 if name not in _HOP_BY_HOP:
+                    if value[:1] in _SPACE or value[-1:] in _SPACE:  # not allowed around a value
+                        value = value.strip(b" \t")
                     headers.append((name, value))
             self.started = True
             self.conn.send_headers(self, headers, False)

@@ -48,6 +48,7 @@ import h2.settings
 from h2.connection import ConnectionState
 from h2.errors import ErrorCodes
 from h2.stream import StreamState
+from hpack import Encoder, NeverIndexedHeaderTuple
 
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
 from transports.h1_limits import error_json
@@ -58,11 +59,30 @@ logger = logging.getLogger("sluicegate.transports")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FLUSH_AT = 64 * 1024  # write at once, not at the end of the loop turn, past this many unwritten bytes
 READ_SLICE = 16 * 1024  # bytes handed to h2 at a time (see ``data_received``)
+# Response headers whose values differ from one response to the next (ids, counters, lengths) are
+# kept out of HPACK's dynamic table: indexed, they would fill it with entries never used again, and
+# the encoder searches the whole table for every header it sends (~40 % of a short request's HPACK
+# time with the gateway's rate-limit headers). What repeats (content-type, server, ...) is indexed.
+PER_RESPONSE = frozenset({
+    b"x-request-id", b"content-length", b"retry-after", b"traceparent",
+    b"x-ratelimit-remaining-requests", b"x-ratelimit-remaining-tokens",
+    b"x-ratelimit-reset-requests", b"x-ratelimit-reset-tokens",
+})
 LINGER_S = 1.0  # after a GOAWAY for an error: how long what the client still sends is read and dropped
 _DEFAULT_WINDOW = 65_535
 _DATA_FRAME_HEADER = struct.Struct(">HBBBL")  # 24-bit length (16 + 8), type 0 (DATA), flags 0, stream
 _SENDABLE = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
 _SERVER_OPEN = ConnectionState.SERVER_OPEN
+
+
+
+class PlainEncoder(Encoder):
+    """HPACK without Huffman coding of literal values: hpack codes them byte by byte in Python,
+    ~3 µs a value, to save ~25 % of their bytes; the headers that repeat are sent as table indexes
+    either way (RFC 7541 allows either form; nghttp2 and Go choose by length)."""
+
+    def encode(self, headers: Any, huffman: bool = False) -> bytes:
+        return super().encode(headers, huffman=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +129,14 @@ class H2Protocol(asyncio.Protocol):
         self.settings = settings or H2Settings()
         self.loop = _loop or asyncio.get_event_loop()
         self.h2 = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=False, header_encoding=None)
+            h2.config.H2Configuration(
+                client_side=False, header_encoding=None,
+                # response headers are checked and normalised once, by ``AsgiStream.send``; h2's
+                # own pass repeats it in ~10 Python calls a header (~15 % of a request's CPU)
+                validate_outbound_headers=False, normalize_outbound_headers=False,
+            )
         )
+        self.h2.encoder = PlainEncoder()
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, AsgiStream] = {}
         self.scheme = "http"
@@ -359,6 +385,7 @@ class H2Protocol(asyncio.Protocol):
 
     def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
         headers.extend(self.server_state.default_headers)
+        headers = [(n, v) if n not in PER_RESPONSE else NeverIndexedHeaderTuple(n, v) for n, v in headers]
         try:
             self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError) as exc:
