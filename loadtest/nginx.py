@@ -20,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 from urllib.parse import urlsplit
 
 from loadtest.procs import terminate
@@ -129,51 +130,96 @@ def render_config(
     )
 
 
-def launch(
-    binary: str, workdir: Path, config: str, address: tuple[str, int], prefix: list[str], timeout_s: float
-) -> subprocess.Popen[bytes]:
-    """nginx in the foreground with ``config`` (written to ``workdir``), once it accepts
-    connections on ``address``; a ``RuntimeError`` or ``TimeoutError`` saying why it did not."""
-    for sub in ("body", "proxy"):
-        (workdir / sub).mkdir(parents=True, exist_ok=True)
-    conf = workdir / "nginx.conf"
-    conf.write_text(config)
-    cmd = [*prefix, binary, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log")]
-    log = open(workdir / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    finally:
-        log.close()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"nginx exited with {proc.returncode}: {error_log(workdir)}")
-        try:
-            with socket.create_connection(address, timeout=0.5):
-                return proc
-        except OSError:
-            time.sleep(0.02)
-    terminate(proc, 10.0)
-    where = f"{address[0]}:{address[1]}"
-    raise TimeoutError(f"nginx did not listen on {where} within {timeout_s} s: {error_log(workdir)}")
-
-
-def error_log(workdir: Path) -> str:
-    """What nginx said in ``workdir`` (its stderr and error log), the last 2000 characters."""
-    texts = []
-    for name in ("stderr.log", "error.log"):
-        path = workdir / name
-        if path.exists():
-            texts.append(path.read_text(errors="replace").strip())
-    return " | ".join(t for t in texts if t)[-2000:]
-
-
-class NginxProcess:
-    """nginx in the foreground (``daemon off``) in its own scratch directory.
+class NginxRun:
+    """One nginx in the foreground (``daemon off``) in its own scratch directory, on ``host:port``;
+    what it serves is the subclass's ``config()``.
 
     ``command_prefix`` is prepended to the command line, e.g. ``["taskset", "-c", "1"]``; the
-    workers inherit the master's CPU affinity. ``http2``: also listen for h2c (``h2c_port``) and, with
-    ``tls_files`` (certificate, key), for HTTP/2 over TLS (``tls_port``), each on a free port.
+    workers inherit the master's CPU affinity."""
+
+    def __init__(
+        self, workdir: Path, *, host: str = "127.0.0.1", port: int | None = None,
+        command_prefix: list[str] | None = None, binary: str | None = None,
+    ) -> None:
+        found = binary or nginx_binary()
+        if found is None:
+            raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx-light)")
+        self.binary = found
+        self.workdir = workdir
+        self.host = host
+        self.port = port or free_port(host)
+        self.prefix = list(command_prefix or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def config(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """Base URL clients use."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The master's pid (the workers are its children)."""
+        if self.proc is None:
+            raise RuntimeError("nginx is not running")
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 10.0) -> Self:
+        """Write the config, start nginx and wait until it accepts connections."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for sub in ("body", "proxy"):
+            (self.workdir / sub).mkdir(exist_ok=True)
+        conf = self.workdir / "nginx.conf"
+        conf.write_text(self.config())
+        cmd = [*self.prefix, self.binary, "-p", str(self.workdir), "-c", str(conf), "-e",
+               str(self.workdir / "error.log")]
+        log = open(self.workdir / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited with {self.proc.returncode}: {self.error_log()}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"nginx did not listen on {self.url} within {timeout_s} s: {self.error_log()}")
+
+    def error_log(self) -> str:
+        """nginx's own complaints, for error messages that say why it did not start."""
+        texts = []
+        for name in ("stderr.log", "error.log"):
+            path = self.workdir / name
+            if path.exists():
+                texts.append(path.read_text(errors="replace").strip())
+        return " | ".join(t for t in texts if t)[-2000:]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Fast shutdown (SIGTERM), then SIGKILL if it lingers."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            terminate(proc, timeout_s)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class NginxProcess(NginxRun):
+    """nginx proxying to ``upstream_url`` (see the module doc). ``http2``: also listen for h2c
+    (``h2c_port``) and, with ``tls_files`` (certificate, key), for HTTP/2 over TLS (``tls_port``),
+    each on a free port.
     """
 
     def __init__(
@@ -192,59 +238,17 @@ class NginxProcess:
         parts = urlsplit(upstream_url)
         if not parts.hostname or not parts.port:
             raise ValueError(f"upstream must be http://HOST:PORT, not {upstream_url!r}")
-        self.binary = binary or nginx_binary()
-        if self.binary is None:
-            raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx-light)")
+        super().__init__(workdir, host=host, port=port, command_prefix=command_prefix, binary=binary)
         self.upstream = f"{parts.hostname}:{parts.port}"
-        self.workdir = workdir
-        self.host = host
-        self.port = port or free_port(host)
         self.workers = workers
-        self.prefix = list(command_prefix or [])
         self.h2c_port = free_port(host) if http2 else None
         self.tls_port = free_port(host) if http2 and tls_files is not None else None
         self.tls_files = tls_files
-        self.proc: subprocess.Popen[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        """Base URL clients use."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        """The master's pid (the workers are its children)."""
-        if self.proc is None:
-            raise RuntimeError("nginx is not running")
-        return self.proc.pid
-
-    def start(self, timeout_s: float = 10.0) -> NginxProcess:
-        """Write the config, start nginx and wait until it accepts connections."""
+    def config(self) -> str:
         h2c = f"{self.host}:{self.h2c_port}" if self.h2c_port else None
         tls = f"{self.host}:{self.tls_port}" if self.tls_port else None
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = launch(
-            self.binary, self.workdir, render_config(
-                self.workdir, f"{self.host}:{self.port}", self.upstream, workers=self.workers,
-                h2c_listen=h2c, tls_listen=tls, tls_files=self.tls_files,
-            ), (self.host, self.port), self.prefix, timeout_s,
+        return render_config(
+            self.workdir, f"{self.host}:{self.port}", self.upstream, workers=self.workers,
+            h2c_listen=h2c, tls_listen=tls, tls_files=self.tls_files,
         )
-        return self
-
-    def error_log(self) -> str:
-        """nginx's own complaints, for error messages that say why it did not start."""
-        return error_log(self.workdir)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Fast shutdown (SIGTERM), then SIGKILL if it lingers."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            terminate(proc, timeout_s)
-
-    def __enter__(self) -> NginxProcess:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

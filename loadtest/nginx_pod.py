@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import os
 import pwd
-import subprocess
 from pathlib import Path
-from types import TracebackType
 
-from loadtest.nginx import free_port, launch, nginx_binary
+from loadtest.nginx import NginxRun
 from loadtest.podsim import wire
-from loadtest.procs import terminate
 
 CREATED = 1761566772
 
@@ -94,59 +91,22 @@ def _same_user() -> str:
     return f"user {pwd.getpwuid(os.geteuid()).pw_name};\n"
 
 
-class NginxPod:
-    """An nginx process in ``workdir`` serving the canned answer on a free port (``url``)."""
+class NginxPod(NginxRun):
+    """nginx in ``workdir`` serving the canned answer of ``tokens`` tokens on a free port (``url``)."""
 
     def __init__(
         self, workdir: Path, model: str, tokens: int, *, host: str = "127.0.0.1",
         command_prefix: list[str] | None = None,
     ) -> None:
-        binary = nginx_binary()
-        if binary is None:
-            raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx-light)")
-        self.binary = binary
-        self.workdir = workdir
+        super().__init__(workdir, host=host, command_prefix=command_prefix)
         self.model = model
         self.tokens = tokens
-        self.host = host
-        self.port = free_port(host)
-        self.prefix = list(command_prefix or [])
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError("nginx is not running")
-        return self.proc.pid
 
     def config(self) -> str:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "answer.sse").write_bytes(canned_answer(self.model, self.tokens))
         models = wire.model_list([self.model], CREATED, 8192, {self.model: "modelperm-nginxpod"})
         return CONFIG_TEMPLATE.format(
             user=_same_user(), workdir=self.workdir, listen=f"{self.host}:{self.port}",
-            models=_quoted(models),
-            metrics=_quoted(idle_metrics(self.model)),
+            models=_quoted(models), metrics=_quoted(idle_metrics(self.model)),
         )
-
-    def start(self, timeout_s: float = 10.0) -> NginxPod:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        (self.workdir / "answer.sse").write_bytes(canned_answer(self.model, self.tokens))
-        address = (self.host, self.port)
-        self.proc = launch(self.binary, self.workdir, self.config(), address, self.prefix, timeout_s)
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            terminate(proc, timeout_s)
-
-    def __enter__(self) -> NginxPod:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
