@@ -288,24 +288,29 @@ def _get_status(url: str) -> int:
         conn.close()
 
 
-def warm_up(base_url: str, count: int = 3, headers: dict[str, str] | None = None) -> None:
-    """A few streamed requests, so first-request costs (imports, pools) stay out of the numbers."""
+def stream_once(base_url: str, max_tokens: int, headers: dict[str, str] | None = None) -> bytes:
+    """One streamed chat answer, read whole; a ``RuntimeError`` unless it is a 200 ending in ``[DONE]``."""
     body = json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "warm up"}],
-        "max_tokens": 4, "stream": True, "ignore_eos": True,
+        "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
     })
+    conn = _connection(base_url, 30.0)
+    try:
+        sent = {"content-type": "application/json", **(headers or {})}
+        conn.request("POST", "/v1/chat/completions", body, sent)
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200 or b"data: [DONE]" not in data:
+        raise RuntimeError(f"a streamed request to {base_url} failed: HTTP {resp.status}: {data[-300:]!r}")
+    return data
+
+
+def warm_up(base_url: str, count: int = 3, headers: dict[str, str] | None = None) -> None:
+    """A few streamed requests, so first-request costs (imports, pools) stay out of the numbers."""
     for _ in range(count):
-        conn = _connection(base_url, 30.0)
-        try:
-            conn.request(
-                "POST", "/v1/chat/completions", body, {"content-type": "application/json", **(headers or {})}
-            )
-            resp = conn.getresponse()
-            data = resp.read()
-        finally:
-            conn.close()
-        if resp.status != 200 or b"[DONE]" not in data:
-            raise RuntimeError(f"warm-up request to {base_url} failed: HTTP {resp.status}: {data[:300]!r}")
+        stream_once(base_url, 4, headers)
 
 
 # --------------------------------------------------------------------------- one run

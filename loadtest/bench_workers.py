@@ -24,7 +24,6 @@ the load generator did, so the row says whether the machine was full.
 from __future__ import annotations
 
 import argparse
-import http.client
 import resource
 import statistics
 import subprocess
@@ -33,7 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from gateway.rlimits import raise_open_file_limit
 from loadtest.bench import (
@@ -47,10 +45,11 @@ from loadtest.bench import (
     run_loadgen,
     start_gateway,
     start_pod,
+    stream_once,
     warm_up,
 )
 from loadtest.bench_h2 import H2LOAD, chat_body, parse_h2load
-from loadtest.loadgen import DONE_MARKER, count_tokens
+from loadtest.loadgen import count_tokens
 from loadtest.nginx import nginx_binary
 from loadtest.nginx_pod import NginxPod
 from loadtest.procs import GatewayProcess
@@ -74,22 +73,6 @@ def _stop(gateway: GatewayProcess | None) -> None:
         gateway.__exit__(None, None, None)
 
 
-def _tokens_of_one(base: str, headers: dict[str, str], tokens: int) -> int:
-    """One streamed answer read whole: its tokens; a ``RuntimeError`` when it did not end with ``[DONE]``."""
-    parts = urlsplit(base)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-    try:
-        conn.request("POST", "/v1/chat/completions", chat_body(tokens),
-                     {"content-type": "application/json", **headers})
-        resp = conn.getresponse()
-        body = resp.read()
-    finally:
-        conn.close()
-    if resp.status != 200 or DONE_MARKER not in body:
-        raise RuntimeError(f"an answer through {base} was not whole: HTTP {resp.status}, {body[-300:]!r}")
-    return count_tokens(body)
-
-
 def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """The gateway-bound setup: nginx's canned answer, ``h2load --h1``; tokens/s and everyone's CPU."""
     workers = TARGETS[target]
@@ -100,7 +83,7 @@ def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[
         body.write_bytes(chat_body(args.tokens))
         gateway, base, headers = _gateway(pod.url, workers, work)
         try:
-            got = _tokens_of_one(base, headers, args.tokens)
+            got = count_tokens(stream_once(base, args.tokens, headers))  # h2load shows no bodies
             if got != args.tokens:
                 raise RuntimeError(f"an answer through {base} had {got} tokens, not {args.tokens}")
             argv = [H2LOAD, "--h1", "-c", str(args.clients), "-d", str(body),

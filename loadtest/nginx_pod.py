@@ -102,9 +102,12 @@ class NginxPod(NginxRun):
         self.model = model
         self.tokens = tokens
 
-    def config(self) -> str:
+    def start(self, timeout_s: float = 10.0) -> NginxPod:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "answer.sse").write_bytes(canned_answer(self.model, self.tokens))
+        return super().start(timeout_s)
+
+    def config(self) -> str:
         models = wire.model_list([self.model], CREATED, 8192, {self.model: "modelperm-nginxpod"})
         return CONFIG_TEMPLATE.format(
             user=_same_user(), workdir=self.workdir, listen=f"{self.host}:{self.port}",

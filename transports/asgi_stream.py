@@ -281,7 +281,7 @@ class AsgiStream:
                     raise RuntimeError(f"invalid HTTP response header {name!r}: {value!r}")
                 if name not in _HOP_BY_HOP:
                     if value[:1] in _SPACE or value[-1:] in _SPACE:  # not allowed around a value
-                        value = value.strip(b" \t")
+                        value = value.strip(_SPACE)
                     headers.append((name, value))
             self.started = True
             self.conn.send_headers(self, headers, False)

@@ -80,6 +80,13 @@ class ClientSocket:
         return sink
 
 
+def _uvicorn_cycle(send: Callable[[dict[str, Any]], Awaitable[None]]) -> tuple[Any, Any, Any]:
+    """The object behind ``send`` and, when it is uvicorn's HTTP/1.1 request cycle, its client's
+    transport and flow control (None each otherwise)."""
+    owner = getattr(send, "__self__", None)
+    return owner, getattr(owner, "transport", None), getattr(owner, "flow", None)
+
+
 class _Gathered:
     """Stands in for uvicorn's transport while a response's head and first chunk are framed."""
 
@@ -103,9 +110,7 @@ async def start_response(
     transport, and the bytes go out together. Neither message can wait for the client (its write
     buffer is not full: checked first), so nothing else runs while the stand-in is in place. Any
     other server, or a full buffer, gets the two messages as they are."""
-    owner = getattr(send, "__self__", None)
-    transport = getattr(owner, "transport", None)
-    flow = getattr(owner, "flow", None)
+    owner, transport, flow = _uvicorn_cycle(send)
     if transport is None or flow is None or flow.write_paused or getattr(owner, "response_started", True):
         await send(start)
         await send(first)
@@ -123,12 +128,10 @@ async def start_response(
 
 def client_socket(send: Callable[[dict[str, Any]], Awaitable[None]]) -> SpliceTarget | None:
     """The splice target behind ``send`` once its response has started, else None (see module doc)."""
-    owner = getattr(send, "__self__", None)
+    owner, transport, flow = _uvicorn_cycle(send)
     target = getattr(owner, "splice_target", None)
     if target is not None:  # the gateway's HTTP/2 and HTTP/3 streams, a gRPC-Web call: the owner says
         return target()  # type: ignore[no-any-return]
-    transport = getattr(owner, "transport", None)
-    flow = getattr(owner, "flow", None)
     if transport is None or flow is None or getattr(owner, "chunked_encoding", None) is not True:
         return None
     return ClientSocket(transport, flow)
