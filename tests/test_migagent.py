@@ -452,3 +452,17 @@ async def test_real_nvml_snapshot() -> None:
     for s in doc["slices"]:
         assert s["mig_uuid"].startswith("MIG-") and s["profile"]
     assert len(parse_agent_devices(json.dumps(doc).encode())) == len(doc["gpus"]) + len(doc["slices"])
+
+
+def test_gpu_node_check_passes_on_the_fake_nvml(tmp_path: Path) -> None:
+    """The GPU node's check script (agent, a pod on the first GPU, a gateway polling the agent), run
+    on the fake so that it cannot rot between the sessions that have a GPU."""
+    from loadtest import gpu_node_check
+
+    spec = tmp_path / "node.json"
+    gpu = {"uuid": GPU1, "name": "NVIDIA H200", "mig": False}
+    spec.write_text(json.dumps({"driver": "550.54.15", "gpus": [gpu]}))
+    summary = gpu_node_check.run(str(spec))
+    assert summary["ok"], summary
+    assert summary["pod_identity"] == {"gpu_uuid": GPU1}
+    assert summary["stream"]["done"] and summary["agent_exit_on_sigterm"] == 0
