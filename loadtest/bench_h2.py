@@ -64,7 +64,7 @@ from loadtest.report import command_line, publish
 from transports.tls import self_signed
 
 PATH = "/v1/chat/completions"
-H2LOAD = "/usr/bin/h2load"
+H2LOAD = shutil.which("h2load") or "/usr/bin/h2load"
 TARGETS = ("gateway h2c", "gateway h2 (TLS)", "nginx h2c", "nginx h2 (TLS)")
 
 

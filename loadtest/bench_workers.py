@@ -55,7 +55,11 @@ from loadtest.nginx_pod import NginxPod
 from loadtest.procs import GatewayProcess
 from loadtest.report import command_line, publish
 
-TARGETS = {"direct": 0, "1 worker": 1, "2 workers": 2}
+
+def targets(workers: list[int]) -> dict[str, int]:
+    """The rows: the pod straight, then the gateway with each worker count."""
+    return {"direct": 0, **{f"{n} worker{'s' if n > 1 else ''}": n for n in workers}}
+
 SETUPS = ("nginx", "podsim")
 
 
@@ -75,10 +79,10 @@ def _stop(gateway: GatewayProcess | None) -> None:
 
 def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """The gateway-bound setup: nginx's canned answer, ``h2load --h1``; tokens/s and everyone's CPU."""
-    workers = TARGETS[target]
+    workers = args.targets[target]
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         work = Path(tmp)
-        pod = NginxPod(work / "pod", MODEL, args.tokens).start()
+        pod = NginxPod(work / "pod", MODEL, args.tokens, workers=args.pod_workers).start()
         body = work / "body.json"
         body.write_bytes(chat_body(args.tokens))
         gateway, base, headers = _gateway(pod.url, workers, work)
@@ -86,17 +90,17 @@ def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[
             got = count_tokens(stream_once(base, args.tokens, headers))  # h2load shows no bodies
             if got != args.tokens:
                 raise RuntimeError(f"an answer through {base} had {got} tokens, not {args.tokens}")
-            argv = [H2LOAD, "--h1", "-c", str(args.clients), "-d", str(body),
+            argv = [H2LOAD, "--h1", "-c", str(args.clients), "-t", str(args.threads), "-d", str(body),
                     "-H", "content-type: application/json",
                     *(item for name, value in headers.items() for item in ("-H", f"{name}: {value}")),
                     base + "/v1/chat/completions"]
-            warm = [*argv[:4], "-n", str(args.clients * 20), *argv[4:]]
+            warm = [*argv[:6], "-n", str(args.clients * 20), *argv[6:]]
             subprocess.run(warm, capture_output=True, check=False)
             mine = process_tree(gateway.pid) if gateway else []
             before, pod_before = cpu_ticks(mine), cpu_ticks(process_tree(pod.pid))
             load_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             started = time.monotonic()
-            done = subprocess.run([*argv[:4], "-n", str(args.requests), *argv[4:]],
+            done = subprocess.run([*argv[:6], "-n", str(args.requests), *argv[6:]],
                                   capture_output=True, text=True, timeout=600, check=False)
             wall = time.monotonic() - started
             load_after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -117,9 +121,9 @@ def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[
     }
 
 
-def run_podsim(target: str, scenario: Scenario, scratch: Path) -> dict[str, Any]:
+def run_podsim(target: str, args: argparse.Namespace, scenario: Scenario, scratch: Path) -> dict[str, Any]:
     """The whole-host setup: a fresh pod simulator (and gateway), a warm-up, then the load."""
-    workers = TARGETS[target]
+    workers = args.targets[target]
     with tempfile.TemporaryDirectory(dir=scratch) as work:
         pod = start_pod(scenario, pin=False)
         gateway = None
@@ -162,8 +166,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
             continue
         if setup == "nginx":
             out += [
-                f"**Gateway-bound**: nginx answering a canned {args.tokens}-token vLLM stream, "
-                f"`h2load --h1` with {args.clients} connections, {args.requests} requests.",
+                f"**Gateway-bound**: nginx ({args.pod_workers} worker{'s' if args.pod_workers > 1 else ''}) "
+                f"answering a canned {args.tokens}-token vLLM stream, `h2load --h1` with {args.clients} "
+                f"connections on {args.threads} thread{'s' if args.threads > 1 else ''}, "
+                f"{args.requests} requests.",
                 "",
                 "| target | errors | requests/s | tokens/s | gateway CPU-ms per 1000 tokens "
                 "| gateway cores busy | pod + h2load cores busy |",
@@ -177,7 +183,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
                 "| target | errors | tokens/s | gateway CPU-ms per 1000 tokens | gateway cores busy |",
                 "| --- | --- | --- | --- | --- |",
             ]
-        for target in TARGETS:
+        for target in args.targets:
             group = [r for r in mine if r["target"] == target]
             if not group:
                 continue
@@ -201,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of setups: nginx (gateway-bound), podsim (whole host)")
     parser.add_argument("--tokens", type=int, default=64, help="nginx setup: tokens in the canned answer")
     parser.add_argument("--clients", type=int, default=64, help="nginx setup: h2load's connections")
+    parser.add_argument("--threads", type=int, default=1, help="nginx setup: h2load's threads (-t)")
+    parser.add_argument("--pod-workers", type=int, default=1, help="nginx setup: the pod's nginx workers")
+    parser.add_argument("--workers", default="1,2", help="comma list of gateway worker counts (1,2)")
     parser.add_argument("--requests", type=int, default=20000, help="nginx setup: requests in all")
     parser.add_argument("--streams", type=int, default=256, help="podsim setup: concurrent streams")
     parser.add_argument("--stream-tokens", type=int, default=512, help="podsim setup: tokens a request")
@@ -209,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-md", metavar="FILE")
     args = parser.parse_args(argv)
     args.setups = [s.strip() for s in args.setup.split(",") if s.strip()]
+    try:
+        counts = [int(n) for n in args.workers.split(",") if n.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        parser.error(f"--workers takes a comma list of counts of 1 or more, not {args.workers!r}")
+    args.targets = targets(counts)
     unknown = [s for s in args.setups if s not in SETUPS]
     if unknown or not args.setups:
         parser.error(f"--setup takes {', '.join(SETUPS)}; not {', '.join(unknown) or 'nothing'}")
@@ -222,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as scratch:
         for repeat in range(args.repeats):
             for setup in args.setups:
-                for target in TARGETS:
+                for target in args.targets:
                     if setup == "nginx":
                         row = run_nginx_pod(target, args, Path(scratch))
                     else:
-                        row = run_podsim(target, scenario, Path(scratch))
+                        row = run_podsim(target, args, scenario, Path(scratch))
                     print(f"bench_workers: {setup} {target} #{repeat + 1}: {row}", file=sys.stderr)
                     rows.append(row)
     publish(render(rows, args, argv), args.write_md, "workers")

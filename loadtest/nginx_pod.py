@@ -23,7 +23,7 @@ CREATED = 1761566772
 CONFIG_TEMPLATE = """\
 daemon off;
 master_process on;
-{user}worker_processes 1;
+{user}worker_processes {workers};
 pid {workdir}/nginx.pid;
 error_log {workdir}/error.log warn;
 
@@ -96,11 +96,12 @@ class NginxPod(NginxRun):
 
     def __init__(
         self, workdir: Path, model: str, tokens: int, *, host: str = "127.0.0.1",
-        command_prefix: list[str] | None = None,
+        command_prefix: list[str] | None = None, workers: int = 1,
     ) -> None:
         super().__init__(workdir, host=host, command_prefix=command_prefix)
         self.model = model
         self.tokens = tokens
+        self.workers = workers  # nginx worker processes: more than one where the gateway has many cores
 
     def start(self, timeout_s: float = 10.0) -> NginxPod:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +111,6 @@ class NginxPod(NginxRun):
     def config(self) -> str:
         models = wire.model_list([self.model], CREATED, 8192, {self.model: "modelperm-nginxpod"})
         return CONFIG_TEMPLATE.format(
-            user=_same_user(), workdir=self.workdir, listen=f"{self.host}:{self.port}",
+            user=_same_user(), workers=self.workers, workdir=self.workdir, listen=f"{self.host}:{self.port}",
             models=_quoted(models), metrics=_quoted(idle_metrics(self.model)),
         )
