@@ -126,7 +126,10 @@ the gateway's health.devices.agent_urls. Runs once per GPU node (a DaemonSet). E
 when NVML cannot be initialised. See docs/mig-agent.md."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command; the flags of the tool commands (podsim, keys, rollout, mig-agent, loadtest) only
+    for ``command`` when one is named: their modules (aiohttp's server among them) stay out of a
+    gateway process that never runs them (``main`` names the command it was given)."""
     parser = argparse.ArgumentParser(
         prog="sluicegate",
         description="A gateway for streaming LLM inference in front of vLLM pods.",
@@ -182,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
             "sluicegate podsim --port 0 --mig-profile 1g.10gb --ttft-ms 120 --fault 'drop_after=5'",
         ),
     )
-    from loadtest.podsim.cli import add_arguments
+    if command in (None, "podsim"):
+        from loadtest.podsim.cli import add_arguments
 
-    add_arguments(podsim)
+        add_arguments(podsim)
     keys = _subcommand(
         commands, "keys", "create, revoke and list API keys (the key store)", _KEYS,
         _epilog(
@@ -195,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
             notes="exit status: 0, or 2 with one line on stderr (a bad key store, an unknown id)",
         ),
     )
-    from gateway.auth.keys_cli import add_arguments as add_keys_arguments
+    if command in (None, "keys"):
+        from gateway.auth.keys_cli import add_arguments as add_keys_arguments
 
-    add_keys_arguments(keys, _HelpFormatter)
+        add_keys_arguments(keys, _HelpFormatter)
     rollout = _subcommand(
         commands, "rollout", "show, pause, resume, promote or abort canary rollouts (admin API)", _ROLLOUT,
         _epilog(
@@ -208,9 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
             "not allow, a refused key, no gateway at --admin-url)",
         ),
     )
-    from gateway.rollout_cli import add_arguments as add_rollout_arguments
+    if command in (None, "rollout"):
+        from gateway.rollout_cli import add_arguments as add_rollout_arguments
 
-    add_rollout_arguments(rollout)
+        add_rollout_arguments(rollout)
     agent = _subcommand(
         commands, "mig-agent", "serve this node's GPU and MIG-slice health from NVML (a DaemonSet)", _AGENT,
         _epilog(
@@ -219,12 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
             "(loadtest/fakenvml.py)",
         ),
     )
-    from gateway.migagent import add_arguments as add_agent_arguments
+    if command in (None, "mig-agent"):
+        from gateway.migagent import add_arguments as add_agent_arguments
 
-    add_agent_arguments(agent)
+        add_agent_arguments(agent)
     from loadtest.loadtest_cli import DESCRIPTION as LOADTEST_DESCRIPTION
-    from loadtest.loadtest_cli import add_arguments as add_loadtest_arguments
-
     loadtest = _subcommand(
         commands, "loadtest", "drive streaming load at a gateway: closed/open loop, sweep, JSON out",
         LOADTEST_DESCRIPTION,
@@ -237,7 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
             notes="exit status: 0, 1 when no request succeeded, 2 for bad flags (docs/load-testing.md)",
         ),
     )
-    add_loadtest_arguments(loadtest)
+    if command in (None, "loadtest"):
+        from loadtest.loadtest_cli import add_arguments as add_loadtest_arguments
+
+        add_loadtest_arguments(loadtest)
     for sub in (podsim, agent):
         _name_unexplained_flags(sub)
     return parser
@@ -265,8 +273,13 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return config
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not a flag (the top level takes no values)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command_in(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     if args.command == "podsim":
         from loadtest.podsim.cli import run
 

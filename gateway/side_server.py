@@ -12,8 +12,10 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from aiohttp import web
+if TYPE_CHECKING:  # aiohttp's server is loaded by the processes that serve one, not by the gateway
+    from aiohttp import web
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -51,6 +53,8 @@ async def serve_app(
 
     ``announce`` gets the URL once the socket is bound. The runner is cleaned up on the way out.
     """
+    from aiohttp import web
+
     await runner.setup()
     try:
         sock = bind(host, port)

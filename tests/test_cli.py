@@ -123,3 +123,20 @@ def test_a_gateway_without_auth_says_so_at_start(auth: dict[str, object], args: 
     assert len(warnings) == 1, log
     assert " WARNING sluicegate.auth: auth is off: anyone who can reach 127.0.0.1:" in warnings[0]
     assert warnings[0].endswith(" can use the gateway")
+
+
+def test_serving_loads_none_of_the_tool_commands_modules() -> None:
+    """Every worker of a gateway pays for what its process imports: the pod simulator, the mig-agent
+    and aiohttp's server (~2.5 MB resident) stay out unless their command runs, and still parse."""
+    probe = (
+        "import sys; from gateway.cli import build_parser; "
+        "build_parser('serve').parse_args(['serve', '--upstream', 'http://127.0.0.1:1']); "
+        "print(sorted(m for m in ('aiohttp.web', 'loadtest.podsim.server', 'gateway.migagent') "
+        "if m in sys.modules)); "
+        "build_parser('podsim').parse_args(['podsim', '--ttft-ms', '5']); "
+        "build_parser('mig-agent').parse_args(['mig-agent', '--poll-ms', '100'])"
+    )
+    argv = [sys.executable, "-c", probe]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

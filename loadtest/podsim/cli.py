@@ -14,12 +14,15 @@ import os
 import ssl
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gateway.rlimits import raise_open_file_limit
 from loadtest.podsim.engine import BLOCK_SIZE, EngineConfig, kv_blocks_for, parse_mig_profile
 from loadtest.podsim.faults import NO_FAULTS, Faults, parse_faults
-from loadtest.podsim.server import READY_PREFIX, PodsimConfig, serve
 from transports.tls import TlsFilesError, server_context
+
+if TYPE_CHECKING:
+    from loadtest.podsim.server import PodsimConfig
 
 
 def _number(kind: type, minimum: float, what: str) -> Callable[[str], float]:
@@ -160,6 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> PodsimConfig:
     """A :class:`PodsimConfig` from parsed flags."""
+    from loadtest.podsim.server import PodsimConfig  # the server (aiohttp's web) only when one runs
+
     faults = NO_FAULTS
     for more in args.fault:
         faults = faults.merged(more)
@@ -224,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"podsim: {exc}", file=sys.stderr)
         return 2
     raise_open_file_limit()
+    from loadtest.podsim.server import READY_PREFIX, serve
 
     def announce(url: str) -> None:
         print(f"{READY_PREFIX}{url}", flush=True)
