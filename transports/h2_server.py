@@ -53,6 +53,7 @@ from hpack import Encoder, NeverIndexedHeaderTuple
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
 from transports.h1_limits import error_json
 from transports.h2_guard import FloodGuard, H2Limits
+from transports.stream_starts import stream_starts
 
 logger = logging.getLogger("sluicegate.transports")
 
@@ -128,6 +129,7 @@ class H2Protocol(asyncio.Protocol):
         self.app_state = app_state
         self.settings = settings or H2Settings()
         self.loop = _loop or asyncio.get_event_loop()
+        self._starts = stream_starts(self.loop)
         self.h2 = h2.connection.H2Connection(
             h2.config.H2Configuration(
                 client_side=False, header_encoding=None,
@@ -312,6 +314,10 @@ class H2Protocol(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        self._starts.start(self, self._begin, stream)
+
+    def _begin(self, stream: AsgiStream) -> None:
+        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``)."""
         task = self.loop.create_task(self._serve(stream))
         stream.task = task
         tasks = self.server_state.tasks
