@@ -2,7 +2,7 @@
 
 Inference routes go straight to the raw-ASGI relay (no middleware wraps its per-chunk sends);
 the public control plane (models, health, readiness) is an ordinary Starlette app, which also
-runs the lifespan: the upstream session and the discovery loop. The admin plane (``/admin/*``,
+runs the lifespan: the pod client and the discovery and health loops. The admin plane (``/admin/*``,
 ``/metrics``) is a separate app (``gateway.admin``) that only the admin listener serves.
 """
 
@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -41,7 +40,6 @@ from gateway.relay import Receive, Relay, Scope, Send
 from gateway.reload import ConfigSource, ConfigWatcher
 from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
-from transports.upstream import open_session
 
 log = logging.getLogger("sluicegate")
 
@@ -78,8 +76,7 @@ class Gateway:
         self.registry = PodRegistry(
             config.pods, config.health, self.metrics, PodAccess.from_config(config)
         )
-        self.monitor = PodMonitor(self.registry, self.session, config.health)
-        self._session: aiohttp.ClientSession | None = None
+        self.monitor = PodMonitor(self.registry, config.health)
         self._pod_client: PodClient | None = None
         keys: Any = None
         if config.auth.enabled:
@@ -117,11 +114,6 @@ class Gateway:
         if self.relay.rollouts.active:
             self.metrics.watch_rollouts(self.relay.rollouts)
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("the upstream session exists only while the app is running")
-        return self._session
-
     def pod_client(self) -> PodClient:
         if self._pod_client is None:
             raise RuntimeError("the pod client exists only while the app is running")
@@ -140,7 +132,6 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        self._session = open_session(self.config.upstream.keepalive_timeout_s)
         upstream = self.config.upstream
         self._pod_client = PodClient(
             self.config.timeouts.connect_s, upstream.keepalive_timeout_s, upstream.max_idle_per_pod
@@ -167,14 +158,12 @@ class Gateway:
             for task in loops:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await self._session.close()
             await self._pod_client.close()
             await self.relay.close()
             if self.worker is not None:
                 await self.worker.close()
             self.relay.hangups.close()
             self.relay.hangups = None
-            self._session = None
             self._pod_client = None
 
     async def list_models(self, _request: Request) -> Response:

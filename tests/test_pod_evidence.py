@@ -28,7 +28,7 @@ def fleet(n: int, health: HealthConfig = HEALTH) -> tuple[PodRegistry, PodMonito
     metrics = GatewayMetrics(CollectorRegistry())
     pods = [PodConfig(name=f"p{i}", url=f"http://127.0.0.1:{9000 + i}", models=("m",)) for i in range(n)]
     reg = PodRegistry(pods, health, metrics)
-    return reg, PodMonitor(reg, lambda: None, health), metrics  # type: ignore[arg-type]
+    return reg, PodMonitor(reg, health), metrics
 
 
 def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float:

@@ -10,21 +10,24 @@ forgotten because the exporter restarted.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-
-import aiohttp
+from urllib.parse import urlsplit
 
 from gateway.config import HealthConfig
 from gateway.health.dcgm import parse_dcgm
 from gateway.health.mig_agent import parse_agent_devices
 from gateway.health.verdict import DeviceKey, DeviceVerdict
 from gateway.health.vllm_metrics import PodLoad, parse_vllm_metrics
-from gateway.pods.prober import ProbeResult, probe_health
+from gateway.pods.prober import ProbeResult, probe_get, probe_health
 from gateway.pods.registry import Pod, PodRegistry
 from gateway.pods.state import Load
+
+MAX_PAGE_BYTES = 16 * 1024 * 1024  # a pod's /metrics or a device source's page; a real one is ~100 KB
 
 log = logging.getLogger("sluicegate.monitor")
 
@@ -112,11 +115,9 @@ class PodMonitor:
     def __init__(
         self,
         registry: PodRegistry,
-        session: Callable[[], aiohttp.ClientSession],
         config: HealthConfig,
     ) -> None:
         self.registry = registry
-        self.session = session
         self.config = config
         self.devices = DeviceFaults()
         self._probe_threads: ThreadPoolExecutor | None = None
@@ -200,21 +201,25 @@ class PodMonitor:
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(pod) for pod in self.registry.pods if pod.reachable))
 
+    async def _get(
+        self, host: str, port: int, tls: ssl.SSLContext | bool | None, path: str, timeout_s: float,
+        server_name: str | None = None,
+    ) -> ProbeResult:
+        """One ``GET`` on a probe thread, as the probes (``prober``): a loop busy relaying tokens
+        neither delays it nor is blocked by it, and the gateway needs no second HTTP client."""
+        loop = asyncio.get_running_loop()
+        get = functools.partial(probe_get, host, port, tls, path, timeout_s, MAX_PAGE_BYTES, server_name)
+        return await loop.run_in_executor(self._probe_threads, get)
+
     async def scrape(self, pod: Pod) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.scrape.timeout_s)
-        try:
-            # no credentials (vLLM's --api-key leaves /metrics open); https:// pods get the shared context
-            async with self.session().get(
-                pod.url + "/metrics", timeout=timeout, ssl=pod.tls or True, server_hostname=pod.server_name
-            ) as resp:
-                if resp.status != 200:
-                    return
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+        # no credentials (vLLM's --api-key leaves /metrics open); https:// pods get the shared context
+        result = await self._get(pod.host, pod.port, pod.tls, "/metrics", self.config.scrape.timeout_s,
+                                 pod.server_name)
+        if not result.ok:
             return  # stale data ages out by itself
         try:
-            parsed = parse_vllm_metrics(text)
-        except ValueError as exc:
+            parsed = parse_vllm_metrics(result.body.decode())
+        except (ValueError, UnicodeDecodeError) as exc:
             log.warning("pod %s: unreadable /metrics: %s", pod.name, exc)
             return
         now = time.monotonic()
@@ -261,14 +266,20 @@ class PodMonitor:
         self.apply_device_faults()
 
     async def _source(self, url: str, kind: str) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.devices.timeout_s)
+        parts = urlsplit(url)
+        https = parts.scheme == "https"
         try:
-            async with self.session().get(url, timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}")
-                body = await resp.read()
-            verdicts = self._parse(kind, body)
-        except (aiohttp.ClientError, TimeoutError, OSError, RuntimeError, ValueError) as exc:
+            port = parts.port or (443 if https else 80)
+        except ValueError as exc:  # checked at start-up; kept so that a bad one cannot stop the loop
+            log.warning("device source %s unavailable, keeping its last verdicts: %s", url, exc)
+            return
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        result = await self._get(parts.hostname or "", port, https, path, self.config.devices.timeout_s)
+        try:
+            if not result.ok:
+                raise ValueError(result.detail)
+            verdicts = self._parse(kind, result.body)
+        except ValueError as exc:
             log.warning("device source %s unavailable, keeping its last verdicts: %s", url, exc)
             return
         self.devices.update(url, verdicts)

@@ -46,7 +46,6 @@ from gateway.workers.feed import frame, read_frame, snapshot
 from gateway.workers.local_redis import LocalRedis, needs_shared_state
 from gateway.workers.merge import merge
 from gateway.workers.worker import ENV, WorkerSpec, admin_path, feed_path
-from transports.upstream import open_session
 
 log = logging.getLogger("sluicegate.supervisor")
 
@@ -182,8 +181,7 @@ class Supervisor:
             registry=self.metrics.registry,
         )
         self.registry = PodRegistry(config.pods, config.health, self.metrics, self.access)
-        self._session = open_session(config.upstream.keepalive_timeout_s)
-        self.monitor = PodMonitor(self.registry, lambda: self._session, config.health)
+        self.monitor = PodMonitor(self.registry, config.health)
         loops = await start_host_loops(
             self.registry, self.monitor, config.discovery, self.metrics, lambda: self.config.pods
         )
@@ -237,7 +235,6 @@ class Supervisor:
             for worker in self.workers:
                 if worker.admin is not None:
                     await worker.admin.close()
-            await self._session.close()
         return code
 
     # -- workers -------------------------------------------------------------------------------------
