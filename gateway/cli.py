@@ -229,10 +229,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from gateway.migagent import add_arguments as add_agent_arguments
 
         add_agent_arguments(agent)
-    from loadtest.loadtest_cli import DESCRIPTION as LOADTEST_DESCRIPTION
     loadtest = _subcommand(
         commands, "loadtest", "drive streaming load at a gateway: closed/open loop, sweep, JSON out",
-        LOADTEST_DESCRIPTION,
+        _loadtest_description() if command in (None, "loadtest") else "",
         _epilog(
             "sluicegate loadtest http://127.0.0.1:8080 --model llama-8b --concurrency 32 --duration 30",
             "sluicegate loadtest http://127.0.0.1:8080 --model llama-8b --rate 20 --arrivals poisson "
@@ -249,6 +248,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for sub in (podsim, agent):
         _name_unexplained_flags(sub)
     return parser
+
+
+def _loadtest_description() -> str:
+    from loadtest.loadtest_cli import DESCRIPTION
+
+    return DESCRIPTION
 
 
 def _name_unexplained_flags(parser: argparse.ArgumentParser) -> None:

@@ -241,7 +241,7 @@ class Server(uvicorn.Server):
         admin_config = uvicorn.Config(
             app, host=admin.host, port=admin.port, http="httptools", lifespan="off",
             access_log=False, log_config=None, log_level=config.log_level, proxy_headers=False,
-            server_header=False, timeout_keep_alive=config.timeout_keep_alive,
+            server_header=False, timeout_keep_alive=config.timeout_keep_alive, ws="none",
         )
         admin_config.load()
         loop = asyncio.get_running_loop()
@@ -375,6 +375,7 @@ def build_server(
         server_header=False,
         timeout_graceful_shutdown=5,
         proxy_headers=False,  # the client address is ClientAddress's, from server.trusted_proxies only
+        ws="none",  # no WebSocket routes: uvicorn would load the websockets library for nothing
     )
     return Server(uv_config, extra)
 
