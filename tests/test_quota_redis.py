@@ -313,8 +313,12 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
     caplog.set_level(logging.INFO, logger="sluicegate.quota")
     registry = CollectorRegistry()
     with RedisServer() as redis:
+        # A round trip may take 250 ms before Redis counts as down (the default, 20 ms, is met by a
+        # quiet machine; a loaded test run has missed it after the restart, flapping the breaker): a
+        # stopped Redis still refuses at once, a paused one costs its first requests 250 ms.
         quotas = await make_quotas(
-            redis.url, prefix, metrics=GatewayMetrics(registry), replicas=2, breaker_open_s=0.3
+            redis.url, prefix, metrics=GatewayMetrics(registry), replicas=2, breaker_open_s=0.3,
+            timeout_ms=250,
         )
         gauge = lambda mode: registry.get_sample_value("sluicegate_quota_store_mode", {"mode": mode})  # noqa: E731
         policy = QuotaPolicy(100_000, None, 40, True)
