@@ -316,13 +316,18 @@ class H2Protocol(asyncio.Protocol):
             self._idle_timer = None
         self._starts.start(self, self._begin, stream)
 
-    def _begin(self, stream: AsgiStream) -> None:
-        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``)."""
+    def _begin(self, stream: AsgiStream) -> bool:
+        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``).
+        A stream the client reset while it waited its turn gets none: False."""
+        if stream.gone:
+            self.stream_done(stream)
+            return False
         task = self.loop.create_task(self._serve(stream))
         stream.task = task
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        return True
 
     def _on_data(self, event: h2.events.DataReceived) -> None:
         if event.data:

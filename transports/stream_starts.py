@@ -26,7 +26,7 @@ from typing import Any
 
 PER_TURN = 8  # streams whose first step may run in one loop turn (~0.8 ms of admissions)
 
-Begin = Callable[[Any], None]
+Begin = Callable[[Any], bool]  # starts the stream; False when there was nothing to start (reset meanwhile)
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StreamStarts] = weakref.WeakKeyDictionary()
 
@@ -53,7 +53,7 @@ class StreamStarts:
         return sum(len(queue) for queue in self._waiting.values())
 
     def start(self, connection: Hashable, begin: Begin, stream: Any) -> None:
-        """``begin(stream)`` now if this turn has room for it, else on a later turn."""
+        """``begin(stream)`` now if this turn has room for it, else on a later turn (see ``Begin``)."""
         if self._turn is None:
             self._turn = self._loop.call_soon(self._next_turn)
         queue = self._waiting.get(connection)
@@ -78,8 +78,8 @@ class StreamStarts:
                 waiting.move_to_end(connection)  # its next stream after every other connection's
             else:
                 del waiting[connection]
-            budget -= 1
-            begin(stream)
+            if begin(stream):  # a stream reset while it waited costs no room: a reset flood drains at once
+                budget -= 1
         self._budget = budget
         if waiting or budget < self._per_turn:  # room again next turn, or more to start
             self._turn = self._loop.call_soon(self._next_turn)
