@@ -121,14 +121,17 @@ class PodMonitor:
         self.config = config
         self.devices = DeviceFaults()
         self._probe_threads: ThreadPoolExecutor | None = None
+        self._page_threads: ThreadPoolExecutor | None = None  # scrapes, device pages: apart from probes
 
     async def run(self) -> None:
         self._probe_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluicegate-probe")
+        self._page_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="sluicegate-scrape")
         try:
             await self._run()
         finally:
             self._probe_threads.shutdown(wait=False, cancel_futures=True)
-            self._probe_threads = None
+            self._page_threads.shutdown(wait=False, cancel_futures=True)
+            self._probe_threads = self._page_threads = None
 
     async def _run(self) -> None:
         loops = [self._every(self.config.probe.interval_s, self.probe_all),
@@ -205,11 +208,12 @@ class PodMonitor:
         self, host: str, port: int, tls: ssl.SSLContext | bool | None, path: str, timeout_s: float,
         server_name: str | None = None,
     ) -> ProbeResult:
-        """One ``GET`` on a probe thread, as the probes (``prober``): a loop busy relaying tokens
-        neither delays it nor is blocked by it, and the gateway needs no second HTTP client."""
+        """One ``GET`` on a thread, as the probes (``prober``) but from a pool of its own, so that slow
+        pages never hold a probe back: a loop busy relaying tokens neither delays it nor is blocked
+        by it, and the gateway needs no second HTTP client."""
         loop = asyncio.get_running_loop()
         get = functools.partial(probe_get, host, port, tls, path, timeout_s, MAX_PAGE_BYTES, server_name)
-        return await loop.run_in_executor(self._probe_threads, get)
+        return await loop.run_in_executor(self._page_threads, get)
 
     async def scrape(self, pod: Pod) -> None:
         # no credentials (vLLM's --api-key leaves /metrics open); https:// pods get the shared context
