@@ -36,6 +36,7 @@ from typing import Any
 from gateway.rlimits import raise_open_file_limit
 from loadtest.bench import (
     MODEL,
+    TICKS,
     Scenario,
     auth_headers,
     cpu_delta_s,
@@ -104,8 +105,10 @@ def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[
                                   capture_output=True, text=True, timeout=600, check=False)
             wall = time.monotonic() - started
             load_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            user, system = cpu_delta_s(before, cpu_ticks(process_tree(gateway.pid) if gateway else []))
+            after = cpu_ticks(process_tree(gateway.pid) if gateway else [])
+            user, system = cpu_delta_s(before, after)
             pod_user, pod_system = cpu_delta_s(pod_before, cpu_ticks(process_tree(pod.pid)))
+            split = _split(gateway.pid, before, after, wall) if gateway else {}
         finally:
             _stop(gateway)
             pod.stop()
@@ -118,7 +121,31 @@ def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[
         "cpu_ms_per_1k": (user + system) * 1e6 / tokens if workers and tokens else None,
         "cores": (user + system) / wall if workers else None,
         "others_cores": (pod_user + pod_system + load_cpu) / wall,
+        **split,
     }
+
+
+def _split(
+    supervisor: int, before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], wall: float
+) -> dict[str, Any]:
+    """Where the gateway's cores went: each worker's (lowest, highest), the supervisor's and its
+    private redis-server's (none with one worker: the one process is the gateway)."""
+    cores: dict[str, list[float]] = {"worker": [], "redis": [], "supervisor": []}
+    for pid, (u1, s1) in after.items():
+        u0, s0 = before.get(pid, (0, 0))
+        kind = "supervisor" if pid == supervisor else "redis" if "redis" in _name(pid) else "worker"
+        cores[kind].append((u1 - u0 + s1 - s0) / TICKS / wall)
+    if not cores["worker"]:
+        return {}
+    return {"worker_cores": (min(cores["worker"]), max(cores["worker"])),
+            "redis_cores": sum(cores["redis"]), "supervisor_cores": sum(cores["supervisor"])}
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def run_podsim(target: str, args: argparse.Namespace, scenario: Scenario, scratch: Path) -> dict[str, Any]:
@@ -157,6 +184,15 @@ def _cell(value: float | None, form: str) -> str:
     return "—" if value is None else format(value, form)
 
 
+def _where(group: list[dict[str, Any]]) -> str:
+    """The split of the group's first run that has one (a worker count's runs are alike)."""
+    row = next((r for r in group if "worker_cores" in r), None)
+    if row is None:
+        return "—"
+    low, high = row["worker_cores"]
+    return f"{low:.2f}-{high:.2f}, {row['supervisor_cores']:.2f}, {row['redis_cores']:.2f}"
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] | None) -> str:
     out = [f"Command: `{command_line('loadtest.bench_workers', argv)}`  ",
            f"Nothing pinned; medians of {args.repeats} interleaved runs.", ""]
@@ -172,8 +208,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
                 f"{args.requests} requests.",
                 "",
                 "| target | errors | requests/s | tokens/s | gateway CPU-ms per 1000 tokens "
-                "| gateway cores busy | pod + h2load cores busy |",
-                "| --- | --- | --- | --- | --- | --- | --- |",
+                "| gateway cores busy | of which workers (lowest-highest), supervisor, Redis "
+                "| pod + h2load cores busy |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
         else:
             out += [
@@ -193,6 +230,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
             cells += [_cell(_median(group, "tokens_per_s"), ".0f"),
                       _cell(_median(group, "cpu_ms_per_1k"), ".1f"), _cell(_median(group, "cores"), ".2f")]
             if setup == "nginx":
+                cells.append(_where(group))
                 cells.append(_cell(_median(group, "others_cores"), ".2f"))
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
