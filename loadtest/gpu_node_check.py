@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,26 +27,20 @@ from typing import Any
 import httpx
 
 from gateway.migagent import READY_PREFIX
+from loadtest.announced import AnnouncedServer, StartError
+from loadtest.bench import MODEL, stream_once
+from loadtest.loadgen import count_tokens
 from loadtest.podsim.launch import PodsimProcess
-from loadtest.procs import GatewayProcess, terminate
+from loadtest.procs import GatewayProcess
 
-MODEL = "llama-8b"
 DEVICE_POLL_S = 0.2
 
 
-def start_agent(fake_spec: str | None) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "gateway.migagent", "--host", "127.0.0.1", "--port", "0",
-            "--poll-ms", "500", "--node-name", "gpu-node-check"]
-    if fake_spec:
-        argv += ["--fake-nvml", fake_spec]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith(READY_PREFIX):
-        proc.wait(10)
-        err = proc.stderr.read() if proc.stderr else ""
-        why = err.strip()
-        raise SystemExit(f"gpu_node_check: the mig-agent did not start (exit {proc.returncode}): {why}")
-    return proc, line[len(READY_PREFIX):].strip()
+class MigAgentProcess(AnnouncedServer):
+    """``python -m gateway.migagent ARGS`` (see :class:`AnnouncedServer`)."""
+
+    module = "gateway.migagent"
+    ready_prefix = READY_PREFIX
 
 
 def identity(doc: dict[str, Any]) -> dict[str, str]:
@@ -60,14 +53,6 @@ def identity(doc: dict[str, Any]) -> dict[str, str]:
     return ident
 
 
-def stream_through(gateway_url: str) -> dict[str, Any]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
-    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, timeout=30) as resp:
-        text = "".join(resp.iter_text())
-    return {"status": resp.status_code, "pod": resp.headers.get("x-sluicegate-pod"),
-            "events": text.count("data: "), "done": text.rstrip().endswith("data: [DONE]")}
-
-
 def pod_state(admin_url: str, name: str) -> dict[str, Any]:
     pods = httpx.get(admin_url + "/admin/pods", timeout=5).json()["pods"]
     return next(p for p in pods if p["name"] == name)["state"]
@@ -75,10 +60,11 @@ def pod_state(admin_url: str, name: str) -> dict[str, Any]:
 
 def run(fake_spec: str | None) -> dict[str, Any]:
     summary: dict[str, Any] = {"ok": False}
-    agent, agent_url = start_agent(fake_spec)
+    agent_args = ["--host", "127.0.0.1", "--poll-ms", "500", "--node-name", "gpu-node-check"]
+    agent = MigAgentProcess([*agent_args, *(["--fake-nvml", fake_spec] if fake_spec else [])]).start()
     try:
-        summary["agent_healthz"] = httpx.get(agent_url + "/healthz", timeout=5).status_code
-        doc = httpx.get(agent_url + "/v1/devices", timeout=5).json()
+        summary["agent_healthz"] = httpx.get(agent.url + "/healthz", timeout=5).status_code
+        doc = httpx.get(agent.url + "/v1/devices", timeout=5).json()
         summary["devices"] = doc
         ident = identity(doc)
         summary["pod_identity"] = ident
@@ -87,7 +73,7 @@ def run(fake_spec: str | None) -> dict[str, Any]:
             pod_args += ["--mig-uuid", ident["mig_uuid"]]
         config = {
             "server": {"host": "127.0.0.1"},
-            "health": {"devices": {"agent_urls": [agent_url], "interval_s": DEVICE_POLL_S}},
+            "health": {"devices": {"agent_urls": [agent.url], "interval_s": DEVICE_POLL_S}},
             "pods": [{"name": "on-gpu", "url": "", "models": [MODEL], "mig": ident}],
         }
         with PodsimProcess(pod_args) as pod:
@@ -95,17 +81,21 @@ def run(fake_spec: str | None) -> dict[str, Any]:
             with GatewayProcess(config) as gw:
                 time.sleep(5 * DEVICE_POLL_S)  # a few device polls of the agent (no event to await)
                 summary["gateway_pod_state"] = pod_state(gw.admin_url, "on-gpu")
-                summary["stream"] = stream_through(gw.url)
+                try:
+                    summary["stream"] = {"done": True, "tokens": count_tokens(stream_once(gw.url, 8))}
+                except RuntimeError as exc:  # not a 200 ending in [DONE]
+                    summary["stream"] = {"done": False, "error": str(exc)}
                 summary["gateway_log_device_warnings"] = [
                     line for line in gw.log().splitlines() if "device source" in line
                 ]
     finally:
-        summary["agent_exit_on_sigterm"] = terminate(agent)
+        summary["agent_exit_on_sigterm"] = agent.stop()
+        agent.close()
     state = summary["gateway_pod_state"]
     summary["ok"] = (
         summary["agent_healthz"] == 200
         and state.get("device_fault") is None
-        and summary["stream"]["status"] == 200 and summary["stream"]["done"]
+        and summary["stream"]["done"]
         and not summary["gateway_log_device_warnings"]
         and summary["agent_exit_on_sigterm"] == 0
     )
@@ -117,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fake-nvml", default=None, help="a fake NVML spec (loadtest/fakenvml.py) instead")
     parser.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = parser.parse_args(argv)
-    summary = run(args.fake_nvml)
+    try:
+        summary = run(args.fake_nvml)
+    except StartError as exc:  # the agent (no driver: exit 2) or the pod did not start
+        print(f"gpu_node_check: {exc}", file=sys.stderr)
+        return 1
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:
