@@ -274,7 +274,7 @@ class PodMonitor:
         https = parts.scheme == "https"
         try:
             port = parts.port or (443 if https else 80)
-        except ValueError as exc:  # checked at start-up; kept so that a bad one cannot stop the loop
+        except ValueError as exc:  # a port that is no number: said every round, as any unreadable source
             log.warning("device source %s unavailable, keeping its last verdicts: %s", url, exc)
             return
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
