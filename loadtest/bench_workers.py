@@ -36,7 +36,6 @@ from typing import Any
 from gateway.rlimits import raise_open_file_limit
 from loadtest.bench import (
     MODEL,
-    TICKS,
     Scenario,
     auth_headers,
     cpu_delta_s,
@@ -131,10 +130,10 @@ def _split(
     """Where the gateway's cores went: each worker's (lowest, highest), the supervisor's and its
     private redis-server's (none with one worker: the one process is the gateway)."""
     cores: dict[str, list[float]] = {"worker": [], "redis": [], "supervisor": []}
-    for pid, (u1, s1) in after.items():
-        u0, s0 = before.get(pid, (0, 0))
+    for pid, ticks in after.items():
+        user, system = cpu_delta_s(before, {pid: ticks})
         kind = "supervisor" if pid == supervisor else "redis" if "redis" in _name(pid) else "worker"
-        cores[kind].append((u1 - u0 + s1 - s0) / TICKS / wall)
+        cores[kind].append((user + system) / wall)
     if not cores["worker"]:
         return {}
     return {"worker_cores": (min(cores["worker"]), max(cores["worker"])),
