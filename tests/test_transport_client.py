@@ -459,6 +459,13 @@ async def chat(client: SluicegateClient) -> Any:
     return stream
 
 
+# For the tests of what a QUIC failure after the handshake does: TCP's head start when no RTT is known,
+# and the handshake's own limit, long enough that QUIC wins its race on a loaded machine too (the
+# default head start, 0.3 s, was missed under a full test run, and TCP answering first skipped the
+# failure under test).
+QUIC_WINS_RACE = {"race_delay": 2.0, "quic_handshake_timeout": 2.0}
+
+
 def make_client(server_url: str, certs: Certs, **kwargs: Any) -> SluicegateClient:
     kwargs.setdefault("quic_handshake_timeout", 1.0)
     return SluicegateClient(server_url, verify=certs.cert, **kwargs)
@@ -606,7 +613,10 @@ async def test_broken_mark_expires_and_h3_is_used_again(certs: Certs) -> None:
 async def test_quic_handshake_ok_but_request_fails_goes_to_tcp_and_marks_broken(certs: Certs) -> None:
     async with failing_quic(certs, "close") as quic_port:
         alt = [f'h3=":{quic_port}"']
-        async with hypercorn(certs, alt_svc=alt) as server, make_client(server.url, certs) as client:
+        async with (
+            hypercorn(certs, alt_svc=alt) as server,
+            make_client(server.url, certs, **QUIC_WINS_RACE) as client,
+        ):
             await chat(client)
             stream = await chat(client)
             assert (stream.transport, stream.text) == ("h2", TEXT)
@@ -621,7 +631,10 @@ async def test_quic_handshake_ok_but_request_fails_goes_to_tcp_and_marks_broken(
 async def test_h3_version_fallback_retries_over_http1_and_remembers(certs: Certs) -> None:
     async with failing_quic(certs, "fallback") as quic_port:
         alt = [f'h3=":{quic_port}"']
-        async with hypercorn(certs, alt_svc=alt) as server, make_client(server.url, certs) as client:
+        async with (
+            hypercorn(certs, alt_svc=alt) as server,
+            make_client(server.url, certs, **QUIC_WINS_RACE) as client,
+        ):
             await chat(client)
             stream = await chat(client)
             assert (stream.transport, stream.text) == ("h1", TEXT)
