@@ -284,6 +284,13 @@ def p99(latencies: list[float]) -> float:
     return ordered[int(len(ordered) * 0.99)]
 
 
+# No admission waits on a store that is down: without the breaker every admission during the
+# second-long outage would wait the whole 250 ms round-trip timeout, a few % of all calls, so the
+# p99 would be 250 ms. 100 ms keeps that apart from a loaded machine's scheduling stalls (a run with
+# both cores busy saw a 33 ms p99 with the breaker working).
+FAST_S = 0.1
+
+
 async def _load(quotas: Quotas, policy: QuotaPolicy, seconds: float, latencies: list[float]) -> Counter:
     """20 callers admitting and settling at once for ``seconds``, every admission timed."""
     outcomes: Counter = Counter()
@@ -347,7 +354,7 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
         after = int(redis.command("HGET", f"{prefix}key-0:{window}", "r") or 0)
         assert after >= (1 if fault == "stop" else before + 1)  # counting in Redis again
         await _load(quotas, policy, 0.3, latencies)
-        assert p99(latencies) < 0.025, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
+        assert p99(latencies) < FAST_S, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
     assert any("answers again" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
@@ -356,7 +363,11 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
 async def test_redis_frozen_fail_closed_answers_503_fast(prefix: str, make_quotas) -> None:
     registry = CollectorRegistry()
     with RedisServer() as redis:
-        quotas = await make_quotas(redis.url, prefix, metrics=GatewayMetrics(registry), breaker_open_s=0.3)
+        # 250 ms per round trip, as in the fail-open test: under a loaded run a round trip after the
+        # resume has missed the default 20 ms, re-opening the breaker and answering 503 again.
+        quotas = await make_quotas(
+            redis.url, prefix, metrics=GatewayMetrics(registry), breaker_open_s=0.3, timeout_ms=250
+        )
         policy = QuotaPolicy(100_000, None, None, False)
         latencies: list[float] = []
         await _load(quotas, policy, 0.2, latencies)
@@ -374,7 +385,7 @@ async def test_redis_frozen_fail_closed_answers_503_fast(prefix: str, make_quota
         await quotas.admit("k", policy, 1)
         outcomes = await _load(quotas, policy, 0.3, latencies)
         assert outcomes[200] > 0 and outcomes[503] == 0
-        assert p99(latencies) < 0.025, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
+        assert p99(latencies) < FAST_S, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
 
 
 async def test_the_local_fallback_starts_from_what_the_fleet_had_admitted(prefix: str, make_quotas) -> None:
