@@ -18,7 +18,11 @@ of it: with two workers, the supervisor, both workers and the private ``redis-se
 their shared quota counters); the cores the gateway kept busy, and (gateway-bound) those the pod and
 the load generator did, so the row says whether the machine was full.
 
-    python -m loadtest.bench_workers [--setup nginx,podsim] [--repeats 3] [--write-md FILE]
+    python -m loadtest.bench_workers [--setup nginx,podsim] [--workers 1,2] [--duration S]
+        [--repeats 3] [--write-md FILE]
+
+``--duration`` times the gateway-bound load instead of counting it; with more than two workers it
+is the one to use, as a count ends early on workers the kernel handed fewer connections.
 """
 
 from __future__ import annotations
@@ -96,11 +100,14 @@ def run_nginx_pod(target: str, args: argparse.Namespace, scratch: Path) -> dict[
                     base + "/v1/chat/completions"]
             warm = [*argv[:6], "-n", str(args.clients * 20), *argv[6:]]
             subprocess.run(warm, capture_output=True, check=False)
+            # A fixed count gives each connection the same share, so a worker the kernel handed
+            # fewer connections idles once they are done; a timed run keeps every one busy.
+            amount = ["-D", str(args.duration)] if args.duration else ["-n", str(args.requests)]
             mine = process_tree(gateway.pid) if gateway else []
             before, pod_before = cpu_ticks(mine), cpu_ticks(process_tree(pod.pid))
             load_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             started = time.monotonic()
-            done = subprocess.run([*argv[:6], "-n", str(args.requests), *argv[6:]],
+            done = subprocess.run([*argv[:6], *amount, *argv[6:]],
                                   capture_output=True, text=True, timeout=600, check=False)
             wall = time.monotonic() - started
             load_after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -204,7 +211,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
                 f"**Gateway-bound**: nginx ({args.pod_workers} worker{'s' if args.pod_workers > 1 else ''}) "
                 f"answering a canned {args.tokens}-token vLLM stream, `h2load --h1` with {args.clients} "
                 f"connections on {args.threads} thread{'s' if args.threads > 1 else ''}, "
-                f"{args.requests} requests.",
+                + (f"for {args.duration} s." if args.duration else f"{args.requests} requests."),
                 "",
                 "| target | errors | requests/s | tokens/s | gateway CPU-ms per 1000 tokens "
                 "| gateway cores busy | of which workers (lowest-highest), supervisor, Redis "
@@ -248,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pod-workers", type=int, default=1, help="nginx setup: the pod's nginx workers")
     parser.add_argument("--workers", default="1,2", help="comma list of gateway worker counts (1,2)")
     parser.add_argument("--requests", type=int, default=20000, help="nginx setup: requests in all")
+    parser.add_argument("--duration", type=int, metavar="S",
+                        help="nginx setup: load for S seconds (h2load -D) instead of --requests")
     parser.add_argument("--streams", type=int, default=256, help="podsim setup: concurrent streams")
     parser.add_argument("--stream-tokens", type=int, default=512, help="podsim setup: tokens a request")
     parser.add_argument("--stream-requests", type=int, default=2, help="podsim setup: requests a stream")
