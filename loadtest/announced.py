@@ -114,7 +114,10 @@ class AnnouncedServer:
             daemon=True,
         ).start()
         if not ready.wait(self.startup_timeout_s) or not found:
-            code = self.proc.poll()
+            try:  # stdout ended without the line: the child is exiting; its code says why
+                code = self.proc.wait(timeout=5.0) if ready.is_set() else self.proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
             self.stop(timeout_s=2.0)
             what = (
                 f"exited with code {code}"

@@ -130,14 +130,16 @@ def test_resume_gives_up_cleanly_when_no_pod_can_continue(setup: Setup) -> None:
 
 def test_streams_that_cannot_be_resumed_end_with_a_clear_error(setup: Setup) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    httpx.post(setup.bad.url + "/admin/faults", json={"drop_after": 3}).raise_for_status()
-    messages = []
+    # the fault rides on the request, so each one breaks whichever pod the picker chose (a pod-wide
+    # fault on "bad" met none of four requests when earlier breaks had made the picker avoid it)
     for _ in range(4):
-        resp = httpx.post(setup.url + "/v1/chat/completions", json={**CHAT, "tools": tools}, timeout=30)
+        resp = httpx.post(
+            setup.url + "/v1/chat/completions", json={**CHAT, "tools": tools},
+            headers={"x-podsim-fault": "drop_after=3"}, timeout=30,
+        )
         events = _events(resp.content)
-        if isinstance(events[-2], dict) and "error" in events[-2]:
-            messages.append(events[-2]["error"]["message"])
-    assert messages and all("cannot be resumed on another pod (tool calls)" in m for m in messages)
+        assert events[-1] == "[DONE]" and len(_text(events).split()) == 3  # no other pod was asked
+        assert "cannot be resumed on another pod (tool calls)" in events[-2]["error"]["message"]
 
 
 def test_sent_log_gives_back_every_byte_across_blocks() -> None:
