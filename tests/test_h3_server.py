@@ -42,6 +42,7 @@ from tests.test_h2_server import (
     tls_gateway,
 )
 from transports import h3_server
+from transports.stream_starts import StreamStarts
 
 # -- a minimal HTTP/3 client -------------------------------------------------------------------
 
@@ -261,6 +262,51 @@ async def test_many_concurrent_streams_on_one_connection(h3srv: Running) -> None
             await resp.until(lambda r=resp: r.ended)
     assert all(r.status == 200 and r.body.endswith(DONE) and r.body.count(b"data: ") == 21 for r in responses)
     assert len({h3srv.app.requests[f"h3-many-{i}"].scope["client"] for i in range(60)}) == 1
+
+
+async def test_a_burst_starts_one_stream_at_once_and_the_rest_on_later_turns(
+    h3srv: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on HTTP/2 (``transports/stream_starts.py``): the streams of one flight start one per
+    connection in the loop turn that read them, the rest on the turns after, and all are answered."""
+    at_once: list[bool] = []
+
+    class Watched(StreamStarts):
+        def start(self, connection: Any, begin: Any, stream: Any) -> None:
+            began: list[bool] = []
+            super().start(connection, lambda s: began.append(True) or begin(s), stream)
+            at_once.append(bool(began))
+
+    watched = Watched(asyncio.get_running_loop())
+    monkeypatch.setattr(h3_server, "stream_starts", lambda loop: watched)
+    async with h3_client(udp_port(h3srv), h3srv.cert) as client:
+        client.mute = True  # the whole burst in one flight
+        burst = [client.request("/sse?n=2", rid=f"h3-turns-{i}") for i in range(9)]
+        client.mute = False
+        client.transmit()
+        for resp in burst:
+            await resp.until(lambda r=resp: r.ended)
+    assert at_once == [True] + [False] * 8
+    assert all(r.status == 200 and r.body.endswith(DONE) for r in burst)
+
+
+async def test_streams_cancelled_within_their_burst_never_reach_the_app(h3srv: Running) -> None:
+    """A client's STOP_SENDING sent with its request's HEADERS arrives first (aioquic writes a
+    stream's control frames before its data): the request is dropped as it is read, and the app
+    (the pod, behind the gateway) never hears of it."""
+    async with h3_client(udp_port(h3srv), h3srv.cert) as client:
+        client.mute = True  # queue the whole burst and its cancellations, then send them in one flight
+        first = client.request("/sse?n=2", rid="h3-burst-0")
+        cancelled = [client.request("/sse?n=2", rid=f"h3-burst-cancelled-{i}") for i in range(8)]
+        for resp in cancelled:
+            client.stop_sending(resp.stream_id)
+        client.mute = False
+        client.transmit()
+        await first.until(lambda: first.ended)
+        after = client.request("/sse?n=2", rid="h3-burst-after")  # the connection serves on
+        await after.until(lambda: after.ended)
+    assert first.body.endswith(DONE) and after.body.endswith(DONE)
+    assert not [rid for rid in h3srv.app.requests if rid.startswith("h3-burst-cancelled-")]
 
 
 async def test_garbage_datagrams_are_ignored(h3srv: Running) -> None:

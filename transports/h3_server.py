@@ -28,6 +28,10 @@ What aioquic leaves to its user, and how it is done here (see docs/transports.md
   to first token: a response's first DATA (the first token, with the HEADERS framed just before it)
   is transmitted at once, in ``send()``. ``transports.h3_aioquic`` makes each transmit walk the
   streams once rather than twice per packet.
+- **Bursts**: a request stream's task starts through ``transports.stream_starts`` (as HTTP/2's):
+  one per connection and a few in all per loop turn, the rest on the turns after. A stream whose
+  STOP_SENDING came in the same packet as its HEADERS (aioquic handles a packet's control frames
+  first, so the cancellation found no stream) is dropped as it is read.
 - **Graceful shutdown**: ``shutdown()`` sends an HTTP/3 GOAWAY on the control stream, refuses newer
   request streams (H3_REQUEST_REJECTED), and closes the connection when the open ones end.
 - **Early answers** (a 413 for an oversized body, a 400/401/429 or a gRPC error decided before the
@@ -72,6 +76,7 @@ from aioquic.quic.packet import QuicErrorCode
 from transports import h3_aioquic
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
 from transports.h3_guard import H3Limits, H3Stats, apply_stream_limits, bound_crypto_buffers, serve_guarded
+from transports.stream_starts import stream_starts
 
 logger = logging.getLogger("sluicegate.transports")
 
@@ -113,6 +118,15 @@ def _unsent(quic: QuicConnection, stream_id: int) -> int:
     return sender._buffer_stop - sender.highest_offset
 
 
+def _answer_refused(quic: QuicConnection, stream_id: int) -> bool:
+    """Whether the client's STOP_SENDING for this stream came before its HEADERS (in the same
+    packet: aioquic handles a packet's control frames before its stream data). aioquic has reset
+    our side already, and the cancellation found no stream to tell; the reset is in its
+    ``QuicStreamSender`` (internals, checked by tests/test_h3_server.py)."""
+    stream = quic._streams.get(stream_id)
+    return stream is not None and stream.sender._reset_error_code is not None
+
+
 class H3Protocol(QuicConnectionProtocol):
     """One QUIC connection speaking HTTP/3 to the ASGI app."""
 
@@ -142,6 +156,7 @@ class H3Protocol(QuicConnectionProtocol):
             self.limits.handshake_timeout_s, self._handshake_expired
         )
         self._counted = True
+        self._starts = stream_starts(self._loop)
 
     # -- QuicConnectionProtocol ------------------------------------------------------------------
 
@@ -233,6 +248,13 @@ class H3Protocol(QuicConnectionProtocol):
                 self._drained(sid, 0, event.stream_ended)
             return
         self._highest_stream = sid
+        if _answer_refused(self._quic, sid):
+            # cancelled before it was read: nothing to serve; the rest of an open request is not wanted
+            if not event.stream_ended:
+                with contextlib.suppress(ValueError):
+                    self._quic.stop_stream(sid, ErrorCode.H3_REQUEST_CANCELLED)
+                self._transmit_soon()
+            return
         if self.closing or len(self.streams) + len(self._draining) >= self.limits.max_concurrent_streams:
             # shutting down, or over our own cap (aioquic's stream credit comes back before our
             # task for a cancelled stream is done): not processed, the client may retry it
@@ -260,11 +282,20 @@ class H3Protocol(QuicConnectionProtocol):
         self.streams[sid] = stream
         if event.stream_ended:
             stream.feed_end()
+        self._starts.start(self, self._begin, stream)
+
+    def _begin(self, stream: AsgiStream) -> bool:
+        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``).
+        A stream the client cancelled while it waited its turn gets none: False."""
+        if stream.gone:
+            self.stream_done(stream)
+            return False
         task = self._loop.create_task(stream.run(self.app))
         stream.task = task
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        return True
 
     def _on_cancel(self, stream_id: int, request_reset: bool) -> None:
         """STOP_SENDING (our sending side is already reset) or RESET_STREAM of the request."""

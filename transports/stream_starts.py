@@ -1,10 +1,10 @@
 """New streams started a few per event-loop turn, taking connections in turn.
 
-One read of an HTTP/2 connection can carry dozens of HEADERS frames, and one loop turn can read
-several connections. Started as they come, every stream's admission (key, quota, pick, the pod
-request: ~0.1 ms each on a quiet core) runs before the loop looks at a socket again, first all of
-the first connection's, then all of the second's: the last connection's first stream waits for
-every stream before it, and no answer is relayed until the whole burst has been admitted.
+One read of an HTTP/2 connection (or one QUIC datagram) can carry dozens of HEADERS frames, and one
+loop turn can read several connections. Started as they come, every stream's admission (key, quota,
+pick, the pod request: ~0.1 ms each on a quiet core) runs before the loop looks at a socket again,
+first all of the first connection's, then all of the second's: the last connection's first stream
+waits for every stream before it, and no answer is relayed until the whole burst has been admitted.
 
 ``StreamStarts`` (one per event loop, shared by its connections) starts at most one stream per
 connection and ``per_turn`` in all in a loop turn, and queues the rest per connection, to be started
