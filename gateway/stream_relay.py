@@ -37,7 +37,7 @@ from gateway.resume import (
 from gateway.retries import Retryable
 from gateway.usage import UsageTap, content_events, tokens_of, trailing_reads, wants_usage
 from transports import sse
-from transports.client_socket import client_socket, start_response
+from transports.client_socket import ClientSocket, SpliceTarget, client_socket, start_response
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
 
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
@@ -114,11 +114,16 @@ class StreamRelay:
 
         # relay: the pod's bytes, as they arrive, under the stall and total deadlines; on a break,
         # continue on another pod when this stream may be resumed
+        socket = client_socket(send)
+        # HTTP/1.1 holds the stream's last read back for the final message (one write with the end)
+        tail = socket.take_tail if isinstance(socket, ClientSocket) else _nothing
         try:
             while True:
-                err, broke = await self._pump(ex, pod, resp, recorder, choices, finish, tap)
+                err, broke = await self._pump(ex, pod, resp, socket, recorder, choices, finish, tap)
                 if err is None or not broke or recorder is None:
                     break
+                if held := tail():  # (a pod that broke after its last event) before the continuation
+                    await send({"type": "http.response.body", "body": held, "more_body": True})
                 resumed = await self._resume(ex, ex.req or req, recorder, err, tap)  # a rollback renames it
                 if resumed is None:
                     break
@@ -127,18 +132,19 @@ class StreamRelay:
             if tap is not None:
                 tap.end(resp.previous + resp.last)
                 if tap.held:  # a partial event the pod never finished: as it sent it
-                    await send({"type": "http.response.body", "body": tap.flush(), "more_body": True})
+                    body = tail() + tap.flush()
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
             if err is not None:
                 event = err.sse_event()
                 if recorder is None and not sse.ends_event(resp.last):
                     event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": tail() + event, "more_body": True})
             elif sse.ERROR_EVENT in resp.last or sse.ERROR_EVENT in resp.previous:
                 # whole by its framing, but the pod ended it with an error event of its own (vLLM's
                 # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
                 ex.detail = "upstream_error_event"
             ex.watch.finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": tail(), "more_body": False})
         finally:  # every ending counts what the pods reported, a client that left after it included
             self._record_usage(ex, resp, recorder, tap)
 
@@ -167,6 +173,7 @@ class StreamRelay:
         ex: Exchange,
         pod: Pod,
         resp: PodResponse,
+        socket: SpliceTarget | None,
         recorder: Recorder | None,
         choices: int = 1,
         finish: FinishWatch | None = None,
@@ -182,7 +189,6 @@ class StreamRelay:
         reads = resp.chunks  # those of the head, already counted
         try:
             async with asyncio.timeout_at(ex.deadline):
-                socket = client_socket(send)
                 if socket is not None:
                     resp.splice(_sink(socket.writer(resp), resp, recorder, finish, tap))
                     await resp.done
@@ -336,6 +342,11 @@ class StreamRelay:
         finally:
             if resp is not None:
                 resp.release()
+
+
+def _nothing() -> bytes:
+    """No held tail: every transport but HTTP/1.1's splice writes each read as it comes."""
+    return b""
 
 
 async def read_first_token(resp: PodResponse, cap: int) -> tuple[bytes, bool]:
