@@ -116,13 +116,13 @@ class StreamRelay:
         # continue on another pod when this stream may be resumed
         socket = client_socket(send)
         # HTTP/1.1 holds the stream's last read back for the final message (one write with the end)
-        tail = socket.take_tail if isinstance(socket, ClientSocket) else _nothing
+        take_tail = socket.take_tail if isinstance(socket, ClientSocket) else _nothing
         try:
             while True:
                 err, broke = await self._pump(ex, pod, resp, socket, recorder, choices, finish, tap)
                 if err is None or not broke or recorder is None:
                     break
-                if held := tail():  # (a pod that broke after its last event) before the continuation
+                if held := take_tail():  # (a pod that broke after its last event) before the continuation
                     await send({"type": "http.response.body", "body": held, "more_body": True})
                 resumed = await self._resume(ex, ex.req or req, recorder, err, tap)  # a rollback renames it
                 if resumed is None:
@@ -132,19 +132,19 @@ class StreamRelay:
             if tap is not None:
                 tap.end(resp.previous + resp.last)
                 if tap.held:  # a partial event the pod never finished: as it sent it
-                    body = tail() + tap.flush()
+                    body = take_tail() + tap.flush()
                     await send({"type": "http.response.body", "body": body, "more_body": True})
             if err is not None:
                 event = err.sse_event()
                 if recorder is None and not sse.ends_event(resp.last):
                     event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
-                await send({"type": "http.response.body", "body": tail() + event, "more_body": True})
+                await send({"type": "http.response.body", "body": take_tail() + event, "more_body": True})
             elif sse.ERROR_EVENT in resp.last or sse.ERROR_EVENT in resp.previous:
                 # whole by its framing, but the pod ended it with an error event of its own (vLLM's
                 # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
                 ex.detail = "upstream_error_event"
             ex.watch.finished = True
-            await send({"type": "http.response.body", "body": tail(), "more_body": False})
+            await send({"type": "http.response.body", "body": take_tail(), "more_body": False})
         finally:  # every ending counts what the pods reported, a client that left after it included
             self._record_usage(ex, resp, recorder, tap)
 
