@@ -428,3 +428,26 @@ def peer_address(addr: Any) -> tuple[str, int] | None:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return str(addr[0]), int(addr[1])
     return None
+
+
+def start_task(stream: AsgiStream, app: ASGIApp, tasks: set[asyncio.Task[None]]) -> bool:
+    """``StreamStarts``' begin for HTTP/2 and HTTP/3 (``transports/stream_starts.py``): the app's
+    task for ``stream``, kept in ``tasks`` (the server's, for shutdown) until it ends. False, and the
+    stream forgotten, when the client cancelled it while it waited its turn."""
+    if stream.gone:
+        stream.conn.stream_done(stream)
+        return False
+    task = asyncio.get_running_loop().create_task(_serve(stream, app))
+    stream.task = task
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return True
+
+
+async def _serve(stream: AsgiStream, app: ASGIApp) -> None:
+    """The app for one stream, unless the client cancelled it before the task's first step (its
+    HEADERS and their reset in one read: HTTP/2's Rapid Reset): then the pod never hears of it."""
+    if stream.gone:
+        stream.conn.stream_done(stream)
+        return
+    await stream.run(app)

@@ -50,7 +50,7 @@ from h2.errors import ErrorCodes
 from h2.stream import StreamState
 from hpack import Encoder, NeverIndexedHeaderTuple
 
-from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
+from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope, start_task
 from transports.h1_limits import error_json
 from transports.h2_guard import FloodGuard, H2Limits
 from transports.stream_starts import stream_starts
@@ -317,17 +317,8 @@ class H2Protocol(asyncio.Protocol):
         self._starts.start(self, self._begin, stream)
 
     def _begin(self, stream: AsgiStream) -> bool:
-        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``).
-        A stream the client reset while it waited its turn gets none: False."""
-        if stream.gone:
-            self.stream_done(stream)
-            return False
-        task = self.loop.create_task(self._serve(stream))
-        stream.task = task
-        tasks = self.server_state.tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return True
+        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``)."""
+        return start_task(stream, self.app, self.server_state.tasks)
 
     def _on_data(self, event: h2.events.DataReceived) -> None:
         if event.data:
@@ -570,14 +561,6 @@ class H2Protocol(asyncio.Protocol):
         self._idle_timer = None
         if not self.streams:
             self._close_gracefully()
-
-    async def _serve(self, stream: AsgiStream) -> None:
-        """The app for one stream, unless the client reset it before the task's first step (Rapid
-        Reset: HEADERS and RST_STREAM in one read): then the pod never hears of it."""
-        if stream.gone:
-            self.stream_done(stream)
-            return
-        await stream.run(self.app)
 
     def _reset(self, sid: int, code: ErrorCodes) -> None:
         with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):

@@ -74,7 +74,7 @@ from aioquic.quic.events import (
 from aioquic.quic.packet import QuicErrorCode
 
 from transports import h3_aioquic
-from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope
+from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope, start_task
 from transports.h3_guard import H3Limits, H3Stats, apply_stream_limits, bound_crypto_buffers, serve_guarded
 from transports.stream_starts import stream_starts
 
@@ -285,17 +285,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._starts.start(self, self._begin, stream)
 
     def _begin(self, stream: AsgiStream) -> bool:
-        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``).
-        A stream the client cancelled while it waited its turn gets none: False."""
-        if stream.gone:
-            self.stream_done(stream)
-            return False
-        task = self._loop.create_task(stream.run(self.app))
-        stream.task = task
-        tasks = self.server_state.tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return True
+        """The stream's task: now, or a few loop turns into a burst (``transports/stream_starts.py``)."""
+        return start_task(stream, self.app, self.server_state.tasks)
 
     def _on_cancel(self, stream_id: int, request_reset: bool) -> None:
         """STOP_SENDING (our sending side is already reset) or RESET_STREAM of the request."""
