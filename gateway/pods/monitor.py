@@ -272,14 +272,10 @@ class PodMonitor:
     async def _source(self, url: str, kind: str) -> None:
         parts = urlsplit(url)
         https = parts.scheme == "https"
-        try:
-            port = parts.port or (443 if https else 80)
-        except ValueError as exc:  # a port that is no number: said every round, as any unreadable source
-            log.warning("device source %s unavailable, keeping its last verdicts: %s", url, exc)
-            return
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        result = await self._get(parts.hostname or "", port, https, path, self.config.devices.timeout_s)
-        try:
+        try:  # a port that is no number (ValueError) is said every round, as any unreadable source
+            port = parts.port or (443 if https else 80)
+            result = await self._get(parts.hostname or "", port, https, path, self.config.devices.timeout_s)
             if not result.ok:
                 raise ValueError(result.detail)
             verdicts = self._parse(kind, result.body)
