@@ -570,5 +570,7 @@ def test_redis_frozen_then_killed_the_policy_holds_and_counting_resumes(shared: 
     assert down > 50 and waited["error"] <= 0.25 * down, (waited, down)
     heads = sorted(o.headers_at - o.sent for o in outcomes)
     p50, p99 = heads[len(heads) // 2] * 1000, heads[int(len(heads) * 0.99)] * 1000
-    print(f"{waited} Redis calls, {down:.0f} of {decisions:.0f} decisions store-down; "
-          f"response head p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    print(
+        f"{waited} Redis calls, {down:.0f} of {decisions:.0f} decisions store-down; "
+        f"response head p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+    )
