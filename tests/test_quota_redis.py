@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import random
 import time
@@ -279,20 +280,25 @@ async def test_leases_renewed_while_live_and_expire_after_a_crash(
 # --- Redis down or frozen mid-run --------------------------------------------------------------------
 
 
-def p99(latencies: list[float]) -> float:
-    ordered = sorted(latencies)
-    return ordered[int(len(ordered) * 0.99)]
-
-
-# No admission waits on a store that is down: without the breaker every admission during the
-# second-long outage would wait the whole 250 ms round-trip timeout, a few % of all calls, so the
-# p99 would be 250 ms. 100 ms keeps that apart from a loaded machine's scheduling stalls (a run with
-# both cores busy saw a 33 ms p99 with the breaker working).
+CALLERS = 20
+OUTAGE_S = 1.0
+BREAKER_OPEN_S = 0.3
+# No admission waits on a store that is down beyond what the breaker lets through: the callers in
+# flight as Redis froze, and then one probe per open period. Those wait the whole 250 ms round-trip
+# timeout; every other admission is decided at once. Without the breaker every admission of the
+# second-long outage would wait those 250 ms (~80 of them). A count, not a percentile: on a starved
+# machine fewer admissions complete, and the same ~22 slow ones would be a larger share of them.
+# 100 ms keeps them apart from a loaded machine's scheduling stalls (both cores busy: 33 ms).
 FAST_S = 0.1
+MOST_SLOW = CALLERS + math.ceil(OUTAGE_S / BREAKER_OPEN_S) + 1
+
+
+def slow(latencies: list[float]) -> int:
+    return sum(1 for seconds in latencies if seconds >= FAST_S)
 
 
 async def _load(quotas: Quotas, policy: QuotaPolicy, seconds: float, latencies: list[float]) -> Counter:
-    """20 callers admitting and settling at once for ``seconds``, every admission timed."""
+    """``CALLERS`` admitting and settling at once for ``seconds``, every admission timed."""
     outcomes: Counter = Counter()
     deadline = time.monotonic() + seconds
 
@@ -311,7 +317,7 @@ async def _load(quotas: Quotas, policy: QuotaPolicy, seconds: float, latencies: 
             await asyncio.sleep(0.002)
 
     async with asyncio.timeout(seconds + 5):  # nothing may hang
-        await asyncio.gather(*(caller(n) for n in range(20)))
+        await asyncio.gather(*(caller(n) for n in range(CALLERS)))
     return outcomes
 
 
@@ -324,7 +330,11 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
         # quiet machine; a loaded test run has missed it after the restart, flapping the breaker): a
         # stopped Redis still refuses at once, a paused one costs its first requests 250 ms.
         quotas = await make_quotas(
-            redis.url, prefix, metrics=GatewayMetrics(registry), replicas=2, breaker_open_s=0.3,
+            redis.url,
+            prefix,
+            metrics=GatewayMetrics(registry),
+            replicas=2,
+            breaker_open_s=BREAKER_OPEN_S,
             timeout_ms=250,
         )
         gauge = lambda mode: registry.get_sample_value("sluicegate_quota_store_mode", {"mode": mode})  # noqa: E731
@@ -334,7 +344,7 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
         window = int(time.time() // 60)
         before = int(redis.command("HGET", f"{prefix}key-0:{window}", "r") or 0)
         redis.stop() if fault == "stop" else redis.pause()
-        outcomes = await _load(quotas, policy, 1.0, latencies)
+        outcomes = await _load(quotas, policy, OUTAGE_S, latencies)
         assert outcomes[200] > 0 and set(outcomes) == {200}  # fail_open: served, counted locally
         assert not quotas.store_up
         assert gauge("redis") == 0 and gauge("local") == 1
@@ -354,7 +364,9 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
         after = int(redis.command("HGET", f"{prefix}key-0:{window}", "r") or 0)
         assert after >= (1 if fault == "stop" else before + 1)  # counting in Redis again
         await _load(quotas, policy, 0.3, latencies)
-        assert p99(latencies) < FAST_S, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
+        assert slow(latencies) <= MOST_SLOW, (
+            f"{slow(latencies)} of {len(latencies)} took {FAST_S * 1000:g} ms or more"
+        )
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
     assert any("answers again" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
@@ -366,13 +378,13 @@ async def test_redis_frozen_fail_closed_answers_503_fast(prefix: str, make_quota
         # 250 ms per round trip, as in the fail-open test: under a loaded run a round trip after the
         # resume has missed the default 20 ms, re-opening the breaker and answering 503 again.
         quotas = await make_quotas(
-            redis.url, prefix, metrics=GatewayMetrics(registry), breaker_open_s=0.3, timeout_ms=250
+            redis.url, prefix, metrics=GatewayMetrics(registry), breaker_open_s=BREAKER_OPEN_S, timeout_ms=250
         )
         policy = QuotaPolicy(100_000, None, None, False)
         latencies: list[float] = []
         await _load(quotas, policy, 0.2, latencies)
         redis.pause()
-        outcomes = await _load(quotas, policy, 1.0, latencies)
+        outcomes = await _load(quotas, policy, OUTAGE_S, latencies)
         assert outcomes[503] > 0 and outcomes[200] == 0
         with pytest.raises(GatewayError) as refused:
             await quotas.admit("k", policy, 1)
@@ -385,7 +397,9 @@ async def test_redis_frozen_fail_closed_answers_503_fast(prefix: str, make_quota
         await quotas.admit("k", policy, 1)
         outcomes = await _load(quotas, policy, 0.3, latencies)
         assert outcomes[200] > 0 and outcomes[503] == 0
-        assert p99(latencies) < FAST_S, f"p99 {p99(latencies) * 1000:.1f} ms over {len(latencies)}"
+        assert slow(latencies) <= MOST_SLOW, (
+            f"{slow(latencies)} of {len(latencies)} took {FAST_S * 1000:g} ms or more"
+        )
 
 
 async def test_the_local_fallback_starts_from_what_the_fleet_had_admitted(prefix: str, make_quotas) -> None:
