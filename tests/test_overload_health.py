@@ -26,8 +26,13 @@ def gateway_config(pod_url: str, probe_interval_s: float = 0.1) -> dict:
         "server": {"host": "127.0.0.1", "access_log": False},
         "discovery": {"refresh_interval_s": 30, "retry_interval_s": 30},
         "health": {
-            "probe": {"interval_s": probe_interval_s, "timeout_s": 0.2, "unhealthy_after": 2,
-                      "healthy_after": 2, "passive_window_s": 1.0},
+            "probe": {
+                "interval_s": probe_interval_s,
+                "timeout_s": 0.2,
+                "unhealthy_after": 2,
+                "healthy_after": 2,
+                "passive_window_s": 1.0,
+            },
             "scrape": {"interval_s": 0.1},
         },
         "pods": [{"name": "pod-a", "url": pod_url, "models": ["llama-8b"]}],
@@ -50,7 +55,6 @@ def excused(admin_url: str) -> float:
 
 def test_a_pod_slow_to_answer_its_probe_stays_in_service_while_it_serves(slow_probe) -> None:
     pod, gw = slow_probe
-    assert httpx.post(pod.url + "/admin/faults", json={"health_delay_ms": 600}).status_code == 200
     statuses: list[int] = []
     stop = threading.Event()
 
@@ -62,13 +66,18 @@ def test_a_pod_slow_to_answer_its_probe_stays_in_service_while_it_serves(slow_pr
     worker = threading.Thread(target=traffic)
     worker.start()
     try:
+        # the pod is serving before its probes slow down (and the counts are this test's own)
+        assert wait_for(lambda: len(statuses) >= 3, timeout_s=20)
+        unhealthy, degraded = transitions(gw.admin_url, "unhealthy"), transitions(gw.admin_url, "degraded")
+        assert httpx.post(pod.url + "/admin/faults", json={"health_delay_ms": 600}).status_code == 200
         # several probes in a row time out (each would count towards unhealthy_after=2) ...
         assert wait_for(lambda: excused(gw.admin_url) >= 5, timeout_s=20)
     finally:
         stop.set()
         worker.join()
     # ... and none was held against the pod: it never left service, no client saw an error
-    assert transitions(gw.admin_url, "unhealthy") == 0 and transitions(gw.admin_url, "degraded") == 0
+    assert transitions(gw.admin_url, "unhealthy") == unhealthy
+    assert transitions(gw.admin_url, "degraded") == degraded
     assert statuses and set(statuses) == {200}
     assert pod_state(gw.admin_url, "pod-a")["health"] == "healthy"
 
@@ -79,7 +88,7 @@ def test_a_pod_slow_to_answer_its_probe_stays_in_service_while_it_serves(slow_pr
     resp = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
     assert resp.status_code == 200 and "[DONE]" in resp.text
     assert httpx.get(gw.admin_url + "/admin/pods").json()["panic"] == ["llama-8b"]
-    assert "sluicegate_panic{model=\"llama-8b\"} 1.0" in httpx.get(gw.admin_url + "/metrics").text
+    assert 'sluicegate_panic{model="llama-8b"} 1.0' in httpx.get(gw.admin_url + "/metrics").text
     assert httpx.get(gw.url + "/readyz").status_code == 200
 
     httpx.delete(pod.url + "/admin/faults")
@@ -102,8 +111,10 @@ def test_a_pod_that_says_it_is_broken_is_not_rescued_by_the_panic_threshold(slow
 
 def test_when_the_last_pod_goes_away_the_first_request_already_gets_503_and_retry_after() -> None:
     # probes every 60 s: the request itself is the first to find the pod gone
-    with PodsimProcess(["--model", "llama-8b", *FAST]) as pod, \
-            GatewayProcess(gateway_config(pod.url, probe_interval_s=60)) as gw:
+    with (
+        PodsimProcess(["--model", "llama-8b", *FAST]) as pod,
+        GatewayProcess(gateway_config(pod.url, probe_interval_s=60)) as gw,
+    ):
         assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
         pod.stop()
         answers = [httpx.post(gw.url + "/v1/chat/completions", json=CHAT) for _ in range(3)]
