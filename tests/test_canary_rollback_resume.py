@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -25,7 +26,9 @@ from tests.redis_server import RedisServer, needs_redis_server
 
 PACED = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "40"]
 STREAMS = 12
-MAX_TOKENS = 60  # about 2.4 s per stream at 40 ms a token: long enough to be mid-answer at the abort
+# about 4.8 s per stream at 40 ms a token: mid-answer at the abort, and still when a follower replica
+# takes it up at its next tick (up to 1 s later), on a starved machine too
+MAX_TOKENS = 120
 
 
 def _body(user: int) -> dict[str, Any]:
@@ -96,10 +99,12 @@ def _abort_moves_every_canary_stream(
 ) -> None:
     """Canary streams through ``gw``, the abort through ``operator`` (the same or another replica)."""
     stable, canary = pods
-    expected = {
-        user: _text(httpx.post(stable.url + "/v1/chat/completions", json=_body(user), timeout=30).content)[0]
-        for user in range(STREAMS)
-    }
+
+    def direct(user: int) -> str:
+        return _text(httpx.post(stable.url + "/v1/chat/completions", json=_body(user), timeout=30).content)[0]
+
+    with ThreadPoolExecutor(STREAMS) as pool:  # each stream's answer straight from stable, all at once
+        expected = dict(enumerate(pool.map(direct, range(STREAMS))))
     results: dict[int, tuple[str, str, bytes]] = {}
     started = threading.Barrier(STREAMS + 1)
 

@@ -84,15 +84,16 @@ def test_replicas_advance_in_step_and_follow_an_operator_on_the_other() -> None:
             if n % 10 == 9 and rollout(a)["step"] >= 1:
                 break
         # Both serve step 1 (50 %), started at the same instant: one decision, followed.
-        assert wait_for(lambda: rollout(b)["step"] == rollout(a)["step"] == 1, timeout_s=3)
+        assert wait_for(lambda: rollout(b)["step"] == rollout(a)["step"] == 1, timeout_s=6)
         assert rollout(a)["step_started_at"] == rollout(b)["step_started_at"]
         assert rollout(a)["weights"] == rollout(b)["weights"] == {"canary": 50, "stable": 50}
         assert len(events(a, "advanced")) == len(events(b, "advanced")) == 1
         aborted = httpx.post(a.admin_url + "/admin/rollouts/llama-8b/abort?why=bad%20smell").json()
         assert aborted["state"] == "rolled_back"
         began = time.monotonic()
-        assert wait_for(lambda: rollout(b)["state"] == "rolled_back", timeout_s=3)
-        assert time.monotonic() - began < 2.5  # within a couple of ticks
+        assert wait_for(lambda: rollout(b)["state"] == "rolled_back", timeout_s=6)
+        # within a few 1 s ticks (a tick that waits on a slow Redis costs a whole one)
+        assert time.monotonic() - began < 4.5
         assert events(b, "rolled_back")[0]["reason"] == "bad smell"
         assert a.log().count(DECIDED) == 1 and b.log().count(DECIDED) == 0
         assert {stream(b) for _ in range(20)} == {"stable-1"}

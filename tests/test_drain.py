@@ -27,7 +27,7 @@ def _config(fleet: Fleet, drain_timeout_s: float) -> dict:
 
 def test_sigterm_lets_streams_finish_and_refuses_new_work(fleet: Fleet) -> None:
     with GatewayProcess(_config(fleet, drain_timeout_s=30)) as gw:
-        body = {**CHAT, "max_tokens": 600}  # ~1.2 s of tokens at the fleet's pace
+        body = {**CHAT, "max_tokens": 2400}  # ~5 s at the fleet's pace: it outlasts the checks below
         with (
             httpx.Client(timeout=30) as client,
             client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp,
@@ -41,7 +41,7 @@ def test_sigterm_lets_streams_finish_and_refuses_new_work(fleet: Fleet) -> None:
             assert refused.json()["error"]["code"] == "draining"
             received += b"".join(chunks)
         assert received.endswith(b"data: [DONE]\n\n") and b'"error"' not in received
-        assert received.count(b'"content":"') == 601  # the role chunk and every token
+        assert received.count(b'"content":"') == 2401  # the role chunk and every token
         assert gw.proc.wait(30) == 0
 
 
