@@ -233,7 +233,7 @@ def test_grpc_timeout_becomes_the_gateways_deadline_and_aborts_the_pod(fleet: Fl
     elapsed = time.perf_counter() - started
     assert resp.status_code == 200 and payloads == []  # Trailers-Only
     assert status["grpc-status"] == "4" and status["grpc-message"].startswith("Timed out"), status
-    assert 0.25 < elapsed < 2.0
+    assert 0.25 < elapsed < 4.0  # the 300 ms deadline, long before the pod's 5 s
     assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)
 
 

@@ -123,7 +123,9 @@ def test_each_pod_is_probed_once_per_interval(gateway: GatewayProcess) -> None:
     time.sleep(8 * PROBE_S)  # a measurement window, not a wait for an event
     probes, elapsed = _Counting.probes - start, time.monotonic() - began
     intervals = elapsed / PROBE_S
-    assert intervals - 2 <= probes <= intervals + 1, (probes, intervals)
+    # at most one per interval (two workers probing would make ~2 per interval); at least half of them,
+    # for a starved machine's late rounds
+    assert intervals / 2 <= probes <= intervals + 1, (probes, intervals)
 
 
 @needs_redis_server()
