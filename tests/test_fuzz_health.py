@@ -14,7 +14,9 @@ from typing import Any
 import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.health import exposition
 from gateway.health.dcgm import DcgmReport, iter_samples, parse_dcgm
 from gateway.health.k8s_device import device_verdicts, mig_profile
 from gateway.health.mig_agent import parse_agent_devices
@@ -165,6 +167,59 @@ def test_what_two_scrapes_parse_to_never_breaks_the_pace_estimates(
         later.itl_quantile_since(earlier, q, min_tokens),
     ):
         assert got is None or isinstance(got, float)
+
+
+def _reference(line: str) -> list[tuple[str, dict[str, str], float]] | None:
+    """What prometheus_client's own parser reads from one sample line (None: it refuses it)."""
+    try:
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(line + "\n")
+            for s in family.samples
+        ]
+    except Exception:  # the reference refuses with several exception types
+        return None
+
+
+def _same(a: list[tuple[str, dict[str, str], float]], b: list[tuple[str, dict[str, str], float]]) -> bool:
+    return [(n, labels, repr(v)) for n, labels, v in a] == [(n, labels, repr(v)) for n, labels, v in b]
+
+
+ESCAPED = st.text(alphabet='ab "\\}{,=\n', max_size=6).map(
+    lambda v: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+)
+
+
+@st.composite
+def sample_lines(draw: st.DrawFn) -> str:
+    """Valid sample lines of every shape the text format allows: escaped label values holding the
+    format's own punctuation, a trailing comma, spaces, special values, timestamps."""
+    labels = draw(st.dictionaries(LABELS, ESCAPED, max_size=4))
+    pad = draw(st.sampled_from(["", " "]))
+    rendered = ",".join(f"{pad}{k}{pad}={pad}\"{v}\"" for k, v in labels.items())
+    rendered += draw(st.sampled_from(["", ","] if labels else [""]))
+    head = draw(VLLM_NAMES) + (f"{{{rendered}}}" if labels or draw(st.booleans()) else "")
+    value = draw(st.sampled_from(["0", "3", "1.5", "-2e-3", "+Inf", "-Inf", "NaN", "9" * 40]))
+    stamp = draw(st.sampled_from(["", " 1732700000000", " -5"]))
+    return f"{head}{draw(st.sampled_from([' ', '  ', chr(9)]))}{value}{stamp}"
+
+
+@given(sample_lines())
+def test_the_fast_sample_reader_reads_every_valid_line_as_prometheus_client_does(line: str) -> None:
+    reference = _reference(line)
+    assert reference is not None, line  # the generator makes valid lines only
+    assert _same([exposition.sample(line)], reference), line
+
+
+@given(VLLM_NAMES, st.text(alphabet=list('le="1 ,}{\\\tn+Inf._xa'), max_size=30))
+def test_the_fast_sample_reader_accepts_only_what_prometheus_client_reads_alike(name: str, rest: str) -> None:
+    line = name + rest
+    try:
+        ours = [exposition.sample(line)]
+    except ValueError:
+        return  # stricter than the reference is allowed: a scrape of such a page is refused
+    reference = _reference(line)
+    assert reference is not None and _same(ours, reference), (line, ours, reference)
 
 
 def test_parsing_a_big_page_holds_about_the_page_in_memory() -> None:
