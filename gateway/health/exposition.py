@@ -25,7 +25,10 @@ _SAMPLE = re.compile(
 )
 _PAIR = r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"'
 _PAIRS = re.compile(_PAIR)
-_LABEL_SET = re.compile(rf"[ \t]*,?(?:[ \t]*{_PAIR}[ \t]*(?:,[ \t]*{_PAIR}[ \t]*)*,?)?[ \t]*")
+# Each run of blanks has exactly one place to go, so a hostile page cannot make matching backtrack.
+_LABEL_SET = re.compile(
+    rf"[ \t]*(?:,[ \t]*)?(?:{_PAIR}[ \t]*(?:,[ \t]*{_PAIR}[ \t]*)*(?:,[ \t]*)?)?"
+)
 _ESCAPE = re.compile(r'\\(.)')
 _ESCAPED = {"\\": "\\", "n": "\n", '"': '"'}
 
