@@ -6,9 +6,9 @@ of the event loop's CPU for podsim's 177-line page even when only its ~30 wanted
 it, the largest part of an idle gateway's CPU (``docs/benchmarks.md``, "What changed"). Here each
 wanted line is matched by one compiled pattern and its labels by two more (~0.3 ms a page); a line
 they do not match whole is a ValueError, as prometheus_client's parser raises for it. Only sample
-lines of legacy (unquoted) names are read, which is what vLLM exports; ``# HELP``/``# TYPE`` lines
-and other series are skipped unread, so a malformed line of a series nobody reads cannot fail a
-scrape.
+lines of legacy (unquoted) names are read, which is what vLLM and dcgm-exporter export (both pages
+are read this way); ``# HELP``/``# TYPE`` lines and other series are skipped unread, so a malformed
+line of a series nobody reads cannot fail a scrape.
 """
 
 from __future__ import annotations
