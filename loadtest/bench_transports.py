@@ -10,7 +10,9 @@ HTTP/1.1 and HTTP/2 over TLS, and for HTTP/3 over QUIC, and serving gRPC-Web. Fo
   reach it at the same point between two ticks, moving a row by up to a millisecond either way
   depending on its transport's latency modulo 1 ms.
 - **CPU per 1000 tokens**: the gateway process's user + system CPU while ``--streams`` concurrent
-  streams of ``--tokens`` tokens go through it, per 1000 tokens relayed.
+  streams of ``--tokens`` tokens go through it, per 1000 tokens relayed; ``--repeats`` times round
+  the transports (a load is ~10 of ``/proc``'s 10-ms clock ticks, so one alone resolves to ~10 %),
+  with each row's ratio to h1 (cleartext) taken within a repeat.
 
 The clients are the cheapest at hand for each protocol, so that the figures are the gateway's rather
 than a client library's: aiohttp for HTTP/1.1 (and the direct baseline); ``H2Client`` below for
@@ -35,6 +37,7 @@ import json
 import os
 import random
 import ssl
+import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +60,7 @@ from transports.proto.sluicegate.v1 import inference_pb2 as pb
 from transports.tls import self_signed
 
 MODEL = "llama-8b"
+H1_ROW = "h1 (cleartext)"  # the row the other transports' CPU is compared with
 CHAT_PATH = "/v1/chat/completions"
 GRPC_PATH = "/sluicegate.v1.Inference/StreamChatCompletion"
 
@@ -254,7 +258,7 @@ class Clients:
     def streamers(self, pod_url: str) -> dict[str, Streamer]:
         return {
             "direct to the pod (HTTP/1.1)": lambda n, first: self._aiohttp(pod_url + CHAT_PATH, n, first),
-            "h1 (cleartext)": lambda n, first: self._aiohttp(self.http_url + CHAT_PATH, n, first),
+            H1_ROW: lambda n, first: self._aiohttp(self.http_url + CHAT_PATH, n, first),
             "h1 (TLS)": lambda n, first: self._aiohttp(self.https_url + CHAT_PATH, n, first, tls=True),
             "h2c (cleartext)": lambda n, first: self._h2(False, self.http_url, n, first),
             "h2 (TLS)": lambda n, first: self._h2(True, self.https_url, n, first),
@@ -334,27 +338,38 @@ async def _concurrent(streamer: Streamer, streams: int, tokens: int) -> None:
 
 
 async def _measure(
-    clients: Clients, pod_url: str, gateway_pid: int, streams: int, tokens: int, runs: int
+    clients: Clients, pod_url: str, gateway_pid: int, streams: int, tokens: int, runs: int, repeats: int
 ) -> list[dict[str, Any]]:
+    streamers = clients.streamers(pod_url)
     rows = []
-    for name, streamer in clients.streamers(pod_url).items():
+    for name, streamer in streamers.items():
         await _concurrent(streamer, 4, 8)  # warm up connections and caches
         ttft = await _ttft(streamer, 16, runs)
-        cpu: float | None = None
-        if not name.startswith("direct"):
-            before = cpu_ticks([gateway_pid])
-            await _concurrent(streamer, streams, tokens)
-            user, system = cpu_delta_s(before, cpu_ticks([gateway_pid]))
-            cpu = (user + system) * 1000 / (streams * tokens) * 1000
         p50, p99 = percentile(ttft, 50), percentile(ttft, 99)
-        rows.append({"transport": name, "ttft_p50": p50, "ttft_p99": p99, "cpu": cpu})
+        rows.append({"transport": name, "ttft_p50": p50, "ttft_p99": p99, "cpu_runs": []})
+    # The CPU loads go round the transports ``repeats`` times, so that a drift of the machine's speed
+    # falls on every row alike; each load is ~10 clock ticks of CPU, so one alone moves by ~10 %.
+    for _ in range(repeats):
+        for row in rows:
+            if row["transport"].startswith("direct"):
+                continue
+            before = cpu_ticks([gateway_pid])
+            await _concurrent(streamers[row["transport"]], streams, tokens)
+            user, system = cpu_delta_s(before, cpu_ticks([gateway_pid]))
+            row["cpu_runs"].append((user + system) * 1000 / (streams * tokens) * 1000)
     direct = rows[0]["ttft_p50"]
+    h1 = next((r["cpu_runs"] for r in rows if r["transport"] == H1_ROW), [])
     for row in rows:
         row["added_ttft"] = row["ttft_p50"] - direct
+        cpu_runs = row["cpu_runs"]
+        row["cpu"] = statistics.median(cpu_runs) if cpu_runs else None
+        # each repeat's row against the same repeat's h1: the ratio the HTTP/3 and gRPC-Web targets name
+        paired = [c / base for c, base in zip(cpu_runs, h1, strict=False) if base > 0]
+        row["x_h1"] = statistics.median(paired) if paired else None
     return rows
 
 
-def run(streams: int, tokens: int, runs: int, pin: bool) -> list[dict[str, Any]]:
+def run(streams: int, tokens: int, runs: int, pin: bool, repeats: int = 5) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp, PodsimProcess(
         ["--model", MODEL, "--ttft-ms", "20", "--itl-ms", "5"]
     ) as pod:
@@ -372,24 +387,32 @@ def run(streams: int, tokens: int, runs: int, pin: bool) -> list[dict[str, Any]]
 
             async def main() -> list[dict[str, Any]]:
                 async with Clients(gw.url, tls_port, h3_port) as clients:
-                    return await _measure(clients, pod.url, gw.pid, streams, tokens, runs)
+                    return await _measure(clients, pod.url, gw.pid, streams, tokens, runs, repeats)
 
             return asyncio.run(main())
 
 
-def render(rows: list[dict[str, Any]], command: str, streams: int, tokens: int) -> str:
+def render(rows: list[dict[str, Any]], command: str, streams: int, tokens: int, repeats: int) -> str:
     lines = [
         f"Command: `{command}`  ",
         f"One pod (20 ms to the first token, then 5 ms a token); {streams} concurrent streams of {tokens} "
-        "tokens for the CPU column.",
+        f"tokens for the CPU columns, {repeats} times round the transports: medians, the range, and the "
+        f"median of each repeat's ratio to the same repeat's {H1_ROW}.",
         "",
-        "| transport | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | gateway CPU ms / 1000 tokens |",
-        "| --- | --- | --- | --- | --- |",
+        "| transport | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | gateway CPU ms / 1000 tokens "
+        "| its range | x h1 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        runs = r.get("cpu_runs") or []
         cpu = "-" if r["cpu"] is None else f"{r['cpu']:.1f}"
+        spread = f"{min(runs):.1f}-{max(runs):.1f}" if runs else "-"
+        ratio = "-" if r.get("x_h1") is None else f"{r['x_h1']:.2f}"
         added = "-" if r["transport"].startswith("direct") else f"{r['added_ttft']:.2f}"
-        lines.append(f"| {r['transport']} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {added} | {cpu} |")
+        lines.append(
+            f"| {r['transport']} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {added} | {cpu} | {spread} "
+            f"| {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -400,14 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--runs", type=int, default=30, help="sequential streams for the TTFT columns")
+    parser.add_argument("--repeats", type=int, default=5, help="times round the transports for CPU")
     parser.add_argument("--write-md", metavar="FILE")
     args = parser.parse_args(argv)
     pin = can_pin()
     if pin:  # before starting anything: the pod, like the clients, stays off the gateway's core
         os.sched_setaffinity(0, {LOAD_CORE})
-    rows = run(args.streams, args.tokens, args.runs, pin)
+    rows = run(args.streams, args.tokens, args.runs, pin, args.repeats)
     command = command_line("loadtest.bench_transports", argv)
-    publish(render(rows, command, args.streams, args.tokens), args.write_md, "transports")
+    publish(render(rows, command, args.streams, args.tokens, args.repeats), args.write_md, "transports")
     return 0
 
 
