@@ -97,6 +97,11 @@ def fleet() -> Iterator[Fleet]:
             yield Fleet(a, b, gw, dead)
 
 
+def pod_arrivals(pod_url: str) -> int:
+    """How many generation requests a pod simulator has received (a count that only grows)."""
+    return len(httpx.get(pod_url + "/podsim/arrivals").json()["arrivals"])
+
+
 def pod_aborts(fleet: Fleet) -> float:
     total = 0.0
     for pod in (fleet.pod_a, fleet.pod_b):

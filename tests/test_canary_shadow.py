@@ -24,7 +24,7 @@ from gateway.config import ConfigError
 from gateway.config_load import parse_config
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import counter_totals, wait_for
+from tests.conftest import counter_totals, pod_arrivals, wait_for
 from tests.keys import auth_on, key_store
 
 CANARY_TTFT_MS = 3000  # a copy's answer starts this late: far later than any client's stream ends
@@ -122,15 +122,10 @@ def pod_busy(pod: PodsimProcess) -> float:
     return pod_metric(pod, "vllm:num_requests_running") + pod_metric(pod, "vllm:num_requests_waiting")
 
 
-def arrivals(pod: PodsimProcess) -> int:
-    """How many generation requests ``pod`` has had (a count that only grows, unlike its gauges)."""
-    return len(httpx.get(pod.url + "/podsim/arrivals").json()["arrivals"])
-
-
 def test_clients_never_wait_for_their_shadow(slow_canary: Shadowed) -> None:
     gw, canary = slow_canary.gateway, slow_canary.canary
     before = shadows(gw).get("ok", 0.0)
-    arrived = arrivals(canary)
+    arrived = pod_arrivals(canary.url)
     n = 6
     with ThreadPoolExecutor(n) as pool:
         answers = list(pool.map(lambda i: stream_text(gw.url, body(user=f"u{i}")), range(n)))
@@ -138,7 +133,7 @@ def test_clients_never_wait_for_their_shadow(slow_canary: Shadowed) -> None:
     # for a first token it gets only CANARY_TTFT_MS after it was sent.
     assert {pod for _, pod in answers} == {"stable-1"}
     assert shadows(gw).get("ok", 0.0) == before
-    assert wait_for(lambda: arrivals(canary) == arrived + n, 10)  # every copy reached the canary
+    assert wait_for(lambda: pod_arrivals(canary.url) == arrived + n, 10)  # every copy reached the canary
     # ... and then each copy ends by itself, answered and discarded, with its own metrics
     assert wait_for(lambda: shadows(gw).get("ok", 0.0) == before + n, 30), shadows(gw)
     assert pod_busy(canary) == 0

@@ -23,7 +23,7 @@ import pytest
 
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
-from tests.conftest import FAST, wait_for
+from tests.conftest import FAST, pod_arrivals, wait_for
 from tests.keys import auth_on, key_store
 
 CHAT = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -58,7 +58,7 @@ class Site:
 
     def arrivals(self) -> int:
         """How many generation requests the pod has received."""
-        return len(httpx.get(self.pod.url + "/podsim/arrivals").json()["arrivals"])
+        return pod_arrivals(self.pod.url)
 
     def logged(self, fragment: str, gateway: GatewayProcess | None = None) -> int:
         """How many access-log lines of ``gateway`` (default: the one with auth on) say ``fragment``."""

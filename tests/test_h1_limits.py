@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from loadtest.attacks import h1
 from loadtest.attacks.h2 import steady_streams
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.conftest import pod_arrivals
 
 LIMITS = {
     "head_timeout_s": 1.0,
@@ -40,7 +40,7 @@ class Target:
     port: int
 
     def arrivals(self) -> int:
-        return len(httpx.get(self.pod.url + "/podsim/arrivals").json()["arrivals"])
+        return pod_arrivals(self.pod.url)
 
     def rss_mb(self) -> float:
         return vm_rss_mb(self.gateway.pid)

@@ -20,6 +20,7 @@ from gateway.config import QuotasConfig
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.quota import Admission, QuotaPolicy, Quotas
+from gateway.quota.decision import reset_in
 from tests.redis_server import RedisServer, needs_redis_server
 
 pytestmark = needs_redis_server()
@@ -145,7 +146,7 @@ async def test_many_subjects_concurrently(redis: RedisServer, prefix: str, make_
 
     # Each key is asked 10 times at once: the 3 stream slots bind first, then settles free them. The
     # counts are per clock minute: start in a minute with a few seconds left (a clock condition).
-    left = 60 - time.time() % 60
+    left = reset_in(time.time())
     if left < 5:
         await asyncio.sleep(left + 0.05)
     results = await asyncio.gather(*(one(f"key-{i % 100}") for i in range(1000)))

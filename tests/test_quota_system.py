@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.quota.decision import window_of
+from gateway.quota.decision import reset_in, window_of
 from gateway.quota.estimate import reservation
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
@@ -102,7 +102,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Single]:
 def _whole_window(seconds: float = 3.0) -> None:
     """Counts compared across requests must share a quota window: if this clock minute ends within
     ``seconds``, start in the next one (a clock condition, not synchronisation with the gateway)."""
-    left = 60 - time.time() % 60
+    left = reset_in(time.time())
     if left < seconds:
         time.sleep(left + 0.05)
 
