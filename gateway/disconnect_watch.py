@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from transports.h1_disconnect import client_socket_of, trip_on_disconnect
+from transports.h1_disconnect import client_transport_of, trip_on_disconnect
 from transports.hangups import HangupWatcher, Pairing
 from transports.pod_client import PodResponse
 
@@ -28,7 +28,10 @@ class DisconnectWatch:
     before that; under any other server a task awaits ``receive()``.
     """
 
-    __slots__ = ("_hangups", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone")
+    __slots__ = (
+        "_hangups", "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher",
+        "finished", "gone",
+    )
 
     def __init__(self, receive: Receive, hangups: HangupWatcher | None) -> None:
         self.gone = False
@@ -38,13 +41,15 @@ class DisconnectWatch:
         self._watcher: asyncio.Future[None] | None = None
         self._hangups = hangups
         self._pairing: Pairing | None = None
+        self._own_pairing = False  # ours to unpair at the end, not the client connection's
         self._tripwire = trip_on_disconnect(receive, self._client_gone)
         if self._tripwire is None:
             self._watcher = asyncio.ensure_future(self._watch(receive))
         elif hangups is not None and not self.gone:
-            client = client_socket_of(receive)
+            client = client_transport_of(receive)
             if client is not None:
-                self._pairing = hangups.pair(client)
+                self._pairing, kept = hangups.pair_connection(client)
+                self._own_pairing = not kept
 
     @property
     def upstream(self) -> PodResponse | None:
@@ -78,7 +83,10 @@ class DisconnectWatch:
             self._tripwire.disarm()
         if self._watcher is not None:
             self._watcher.cancel()
-        if self._pairing is not None:
-            assert self._hangups is not None
-            self._hangups.unpair(self._pairing)
+        pairing = self._pairing
+        if pairing is not None:
             self._pairing = None
+            if self._own_pairing:
+                pairing.release()
+            elif pairing.upstream >= 0:  # the connection keeps its pairing for its next request
+                pairing.watcher.set_upstream(pairing, None)

@@ -101,3 +101,38 @@ def test_a_stream_the_client_leaves_is_still_counted(fleet: Fleet) -> None:
     assert wait_for(lambda: gateway_in_flight(fleet.admin_url) == 0)
     # what it was sent (pod reads, each one or more of the 8 events), not 0 as before
     assert wait_for(lambda: chunks() - before >= 2)
+
+
+def test_a_client_leaving_during_its_second_request_on_a_connection_aborts_that_generation(
+    gateway: GatewayProcess, fleet: Fleet
+) -> None:
+    """The hang-up watch is kept per client connection: a request after the first on a keep-alive
+    connection is still aborted at the pod when the client leaves, and the connection's end
+    releases what the watch held."""
+    url, admin = gateway.url, gateway.admin_url
+    httpx.post(url + "/v1/chat/completions", json={**LONG, "max_tokens": 2})  # warm the pools
+    baseline = _runtime(admin)
+    aborts = pod_aborts(fleet)
+    parts = urlsplit(url)
+    short = json.dumps({**LONG, "max_tokens": 2}).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    with socket.create_connection((parts.hostname, parts.port)) as conn:
+        conn.sendall(head + b"content-length: %d\r\n\r\n" % len(short) + short)
+        answer = b""
+        while not answer.endswith(b"0\r\n\r\n"):  # the whole first answer, chunked to its end
+            data = conn.recv(65536)
+            assert data, answer
+            answer += data
+        assert answer.startswith(b"HTTP/1.1 200") and b"[DONE]" in answer
+        long = json.dumps(LONG).encode()
+        conn.sendall(head + b"content-length: %d\r\n\r\n" % len(long) + long)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # the second request streams
+        assert wait_for(lambda: _runtime(admin)["in_flight"] == 1)
+    assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)
+    assert wait_for(lambda: _runtime(admin)["in_flight"] == 0)
+
+    def settled() -> bool:
+        now = _runtime(admin)
+        return all(now[what] <= baseline[what] for what in ("tasks", "fds", "upstream"))
+
+    assert wait_for(settled), (baseline, _runtime(admin))

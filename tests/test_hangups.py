@@ -168,3 +168,83 @@ def test_a_hang_up_is_not_taken_for_the_next_client_given_the_same_descriptor(wa
     watcher.unpair(new)
     for s in (leaver_gw, leaver, gw_client, gw_pod, pod):
         s.close()
+
+
+class _Connection:
+    """A client connection as ``pair_connection`` sees it: its transport and its protocol."""
+
+    def __init__(self, sock: socket.socket, protocol: object) -> None:
+        self._sock = sock
+        self._protocol = protocol
+
+    def get_protocol(self) -> object:
+        return self._protocol
+
+    def get_extra_info(self, name: str) -> object:
+        return self._sock if name == "socket" else None
+
+
+class _KeepingProtocol:
+    hangup_pairing: Pairing | None = None
+
+
+def test_a_keep_alive_connection_keeps_one_pairing_for_all_its_requests(watcher: HangupWatcher) -> None:
+    """Each request on the connection gets the connection's pairing (no new descriptor); the pod
+    socket of its second request is still shut down when the client leaves then; the connection's
+    end releases its descriptors."""
+    before = len(os.listdir("/proc/self/fd"))
+    gw_client, client = tcp_pair()
+    protocol = _KeepingProtocol()
+    conn = _Connection(gw_client, protocol)
+    first, kept = watcher.pair_connection(conn)
+    assert first is not None and kept
+    first_pod_gw, first_pod = tcp_pair()
+    watcher.set_upstream(first, first_pod_gw)
+    watcher.set_upstream(first, None)  # the first request ends; its pod connection goes back
+    fds_between_requests = len(os.listdir("/proc/self/fd"))
+    second, kept = watcher.pair_connection(conn)
+    assert second is first and kept and watcher.pairs == 1
+    assert len(os.listdir("/proc/self/fd")) == fds_between_requests
+    gw_pod, pod = tcp_pair()
+    watcher.set_upstream(second, gw_pod)
+    client.close()
+    assert pod_sees_eof(pod)
+    assert pod_still_open(first_pod)  # back in the pool before the client left: left alone
+    second.release()  # the protocol's connection_lost
+    assert watcher.pairs == 0
+    for s in (gw_client, first_pod_gw, first_pod, gw_pod, pod):
+        s.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_protocol_that_keeps_no_pairing_gets_one_per_request(watcher: HangupWatcher) -> None:
+    gw_client, client = tcp_pair()
+    conn = _Connection(gw_client, object())
+    one, kept_one = watcher.pair_connection(conn)
+    two, kept_two = watcher.pair_connection(conn)
+    assert one is not None and two is not None and one is not two
+    assert not kept_one and not kept_two
+    watcher.unpair(one)
+    watcher.unpair(two)
+    assert watcher.pairs == 0
+    for s in (gw_client, client):
+        s.close()
+
+
+def test_a_pairing_released_after_the_watcher_closed_closes_nothing_of_anyone_else() -> None:
+    """A connection outliving the watcher (the app's shutdown closes the watcher first) releases
+    its pairing later: the watcher closed those descriptors, and their numbers may be another
+    socket's by then."""
+    watcher = HangupWatcher()
+    gw_client, client = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    number = pairing.client
+    watcher.close()
+    others = [s for _ in range(3) for s in tcp_pair()]
+    (reused,) = [s for s in others if s.fileno() == number]  # the lowest free numbers are given out
+    pairing.release()
+    watcher.set_upstream(pairing, None)
+    reused.getsockname()  # still open: raises OSError on a closed descriptor
+    for s in (gw_client, client, *others):
+        s.close()

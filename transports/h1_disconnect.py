@@ -27,11 +27,25 @@ from typing import Any, Protocol
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from transports.hangups import Pairing
+
 logger = logging.getLogger("sluicegate.relay")
 
 
 class PromptH1Protocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, reporting a client's departure as soon as its FIN arrives."""
+    """uvicorn's httptools protocol, reporting a client's departure as soon as its FIN arrives.
+
+    It also keeps the connection's hang-up watch (``HangupWatcher.pair_connection``) from its first
+    request to its end, instead of one per request."""
+
+    hangup_pairing: Pairing | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pairing = self.hangup_pairing
+        if pairing is not None:
+            self.hangup_pairing = None
+            pairing.release()
+        super().connection_lost(exc)
 
     def eof_received(self) -> None:
         cycle = self.cycle
@@ -94,9 +108,10 @@ def trip_on_disconnect(
     return wire
 
 
-def client_socket_of(receive: Callable[[], Awaitable[Any]]) -> Any | None:
-    """The client's socket behind a uvicorn request cycle's ``receive``, else None."""
+def client_transport_of(receive: Callable[[], Awaitable[Any]]) -> Any | None:
+    """The client connection's transport behind a uvicorn request cycle's ``receive``, else None
+    (or None once it is closing)."""
     transport = getattr(getattr(receive, "__self__", None), "transport", None)
     if transport is None or transport.is_closing():
         return None
-    return transport.get_extra_info("socket")
+    return transport

@@ -35,12 +35,17 @@ _EVENTS = select.EPOLLRDHUP | select.EPOLLONESHOT
 class Pairing:
     """A client socket and the pod socket currently serving it (descriptors we own: duplicates)."""
 
-    __slots__ = ("client", "fired", "upstream")
+    __slots__ = ("client", "fired", "upstream", "watcher")
 
-    def __init__(self, client: int) -> None:
+    def __init__(self, client: int, watcher: HangupWatcher) -> None:
         self.client = client
         self.upstream = -1
         self.fired = False
+        self.watcher = watcher
+
+    def release(self) -> None:
+        """Stop watching the client (its connection ends); closes our descriptors."""
+        self.watcher.unpair(self)
 
 
 def _dup(sock: Any) -> int:
@@ -91,28 +96,51 @@ class HangupWatcher:
         own = _dup(client)
         if own < 0:
             return None
-        pairing = Pairing(own)
+        pairing = Pairing(own, self)
         with self._lock:
             self._pairs[own] = pairing
             self._epoll.register(own, _EVENTS)
         return pairing
 
+    def pair_connection(self, transport: Any) -> tuple[Pairing | None, bool]:
+        """The pairing of a client *connection*: made at its first request and kept, by its
+        protocol, for every request after it on that connection, until the protocol releases it
+        when the connection ends. Saves each keep-alive request a ``dup``, two ``epoll_ctl`` and a
+        ``close``. Whether the pairing is the connection's (else it is the request's own, from
+        ``pair``, for the caller to ``unpair``): only a protocol with a ``hangup_pairing``
+        attribute keeps one."""
+        protocol = transport.get_protocol()
+        if not hasattr(type(protocol), "hangup_pairing"):
+            return self.pair(transport.get_extra_info("socket")), False
+        pairing = protocol.hangup_pairing
+        if pairing is None or pairing.watcher is not self:
+            pairing = self.pair(transport.get_extra_info("socket"))
+            protocol.hangup_pairing = pairing
+        return pairing, True
+
     def set_upstream(self, pairing: Pairing, upstream: Any | None) -> None:
         """Make ``upstream`` (or nothing) the pod socket to shut down when the client hangs up."""
         own = _dup(upstream) if upstream is not None else -1
         with self._lock:
-            old, pairing.upstream = pairing.upstream, own
+            if self._pairs.get(pairing.client) is not pairing:  # forgotten: the watcher closed
+                old = own
+            else:
+                old, pairing.upstream = pairing.upstream, own
             if own >= 0 and pairing.fired:  # the client left while the pod was being reached
                 shut_down_fd(own)
         if old >= 0:
             os.close(old)
 
     def unpair(self, pairing: Pairing) -> None:
+        """Forget ``pairing`` and close its descriptors; nothing if it was already forgotten (or
+        the watcher closed, which closed them)."""
         with self._lock:
             fd = pairing.client
-            if self._pairs.pop(fd, None) is pairing:
-                with contextlib.suppress(OSError):
-                    self._epoll.unregister(fd)
+            if self._pairs.get(fd) is not pairing:
+                return
+            del self._pairs[fd]
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
             self._unpaired.add(fd)
             upstream, pairing.upstream = pairing.upstream, -1
         os.close(fd)
@@ -132,6 +160,7 @@ class HangupWatcher:
             os.close(pairing.client)
             if pairing.upstream >= 0:
                 os.close(pairing.upstream)
+                pairing.upstream = -1
         self._epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
