@@ -162,12 +162,13 @@ class Exchange:
         """Add the answer's usage object (when it has one) to the token counters."""
         if not isinstance(usage, dict):
             return
-        for kind in ("prompt", "completion"):
-            value = usage.get(f"{kind}_tokens")
+        for kind, field in _TOKEN_KINDS:
+            value = usage.get(field)
             if type(value) is int and 0 < value < 1 << 53:  # a float counter: a pod's 10**400 would overflow
-                metrics.tokens.labels(self.model_label, kind).inc(value)
+                metrics.child(metrics.tokens, self.model_label, kind).inc(value)
 
 
+_TOKEN_KINDS = (("prompt", "prompt_tokens"), ("completion", "completion_tokens"))
 _TRANSPORTS = {"1.1": "h1", "1.0": "h1", "2": "h2", "3": "h3"}
 
 

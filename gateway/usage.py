@@ -64,7 +64,7 @@ def relayed_usage(ex: Exchange, metrics: GatewayMetrics) -> None:
     ex.usage = (ex.prompt_estimate, ex.tokens_relayed)
     for kind, value in zip(("prompt", "completion"), ex.usage, strict=True):
         if value:
-            metrics.tokens.labels(ex.model_label, kind).inc(value)
+            metrics.child(metrics.tokens, ex.model_label, kind).inc(value)
 
 
 _ASK_USAGE = b'{"stream_options":{"include_usage":true},'
