@@ -2,10 +2,17 @@
 
 Children with fixed labels are resolved once and cached, and per-stream counts are accumulated
 in locals and added once when the stream ends: the per-token path touches no metric at all.
+
+The request path's children (``GatewayMetrics.child``) also add to prometheus_client's values
+directly (``_Fast*``): its own ``inc``/``observe`` are four or five Python calls each with a lock
+(a histogram walks its buckets in Python), ~60 calls for a request's dozen updates. Every write
+happens on the event loop's thread, the only one that updates metrics, so the lock has nothing to
+guard against; a scrape still reads the same values through prometheus_client.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +27,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.values import MutexValue
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -314,12 +322,13 @@ class GatewayMetrics:
         self.registry.register(_RolloutCollector(rollouts))
 
     def child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
-        """``metric.labels(*labels)``, resolved once: prometheus_client's own lookup costs a few
-        microseconds per call, which the per-request path pays several times over."""
+        """``metric.labels(*labels)``, resolved once (prometheus_client's own lookup costs a few
+        microseconds per call, which the per-request path pays several times over), as a child
+        that updates its values directly (see the module doc). Only for the event loop's thread."""
         key = (metric, labels)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = metric.labels(*labels)
+            found = self._children[key] = fast_child(metric.labels(*labels))
         return found
 
     def render(self) -> bytes:
@@ -375,3 +384,66 @@ class _RolloutCollector:
         yield percent
         yield step
         yield state
+
+
+def fast_child(child: Any) -> Any:
+    """``child`` (a labelled Counter, Gauge or Histogram) with ``inc``/``dec``/``set``/``observe``
+    that write its values directly; ``child`` itself where its values are not the single-process
+    kind this knows (prometheus_client's multiprocess mode, a Gauge's "mostrecent" mode)."""
+    if isinstance(child, Histogram):
+        parts = [child._sum, *child._buckets]
+        if all(type(v) is MutexValue for v in parts):
+            return _FastHistogram(child)
+        return child
+    if type(getattr(child, "_value", None)) is not MutexValue:
+        return child
+    if isinstance(child, Counter):
+        return _FastCounter(child._value)
+    if isinstance(child, Gauge) and not child._is_most_recent:
+        return _FastGauge(child._value)
+    return child
+
+
+class _FastCounter:
+    __slots__ = ("_value",)
+
+    def __init__(self, value: MutexValue) -> None:
+        self._value = value
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._value._value += amount
+
+
+class _FastGauge:
+    __slots__ = ("_value",)
+
+    def __init__(self, value: MutexValue) -> None:
+        self._value = value
+
+    def inc(self, amount: float = 1) -> None:
+        self._value._value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self._value._value -= amount
+
+    def set(self, value: float) -> None:
+        self._value._value = float(value)
+
+
+class _FastHistogram:
+    """``observe`` as prometheus_client's: the sum, and the first bucket whose bound is not below
+    the value (found by bisection; its buckets are cumulated when scraped)."""
+
+    __slots__ = ("_bounds", "_buckets", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._sum: MutexValue = child._sum
+        self._buckets: list[MutexValue] = list(child._buckets)
+        self._bounds: list[float] = list(child._upper_bounds)
+
+    def observe(self, amount: float) -> None:
+        self._sum._value += amount
+        if amount == amount:  # NaN is in no bucket (prometheus_client compares it with each bound)
+            self._buckets[bisect_left(self._bounds, amount)]._value += 1
