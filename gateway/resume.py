@@ -212,36 +212,63 @@ class Splicer:
         return b"\n\n".join(events)
 
 
+class RawBudget:
+    """How many bytes of sent logs the whole process keeps uncompressed (``SentLog``)."""
+
+    __slots__ = ("free",)
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+
+
+# 8 MiB: every stream's log whole at a hundred streams of 256 tokens (~5 MB), no deflating at all;
+# past it (500 streams, 2000) the blocks are deflated as before, so memory stays bounded.
+RAW_BUDGET = RawBudget(8 << 20)
+
+
 class SentLog:
-    """What a resumable stream has sent so far, kept compressed in blocks until a resume reads it.
+    """What a resumable stream has sent so far, in blocks, for a resume to read back.
 
     A resume needs the text already sent, and reading it back from the SSE bytes themselves is the
     exact way (``Transcript.read``). But an OpenAI chunk carries ~230 bytes for one token, so a
     256-token answer held whole is ~59 KB per stream: at 500 streams under a resume policy that was
     ~50 MB of the gateway's peak memory. The chunks repeat themselves (same id, model, created,
-    keys), so each full block of ``BLOCK`` bytes is deflated on its own (small window: ~24 KB of
-    zlib state while it runs, ~14x smaller, under 1 µs per token); the last, partial block stays raw.
+    keys), so a full block of ``BLOCK`` bytes deflates ~14x (on its own, with a small window: ~24 KB
+    of zlib state while it runs). Deflating is ~10 % of a token's instructions, though, so full
+    blocks are kept as they are while the process's ``RAW_BUDGET`` lasts (bytearrays, given back
+    when the log goes), and only those past it are deflated; the last, partial block stays raw.
     """
 
-    __slots__ = ("_blocks", "_raw")
+    __slots__ = ("_blocks", "_held", "_raw")
 
     BLOCK = 4096
 
     def __init__(self) -> None:
         self._raw = bytearray()
-        self._blocks: list[bytes] = []
+        self._blocks: list[bytes | bytearray] = []  # bytearray: kept raw (in the budget); bytes: deflated
+        self._held = 0
 
     def append(self, data: bytes) -> None:
         raw = self._raw
         raw += data
-        if len(raw) >= self.BLOCK:
-            packer = zlib.compressobj(1, zlib.DEFLATED, -12, 4)
-            self._blocks.append(packer.compress(raw) + packer.flush())
+        size = len(raw)
+        if size >= self.BLOCK:
+            if RAW_BUDGET.free >= size:
+                RAW_BUDGET.free -= size
+                self._held += size
+                self._blocks.append(raw)
+            else:
+                packer = zlib.compressobj(1, zlib.DEFLATED, -12, 4)
+                self._blocks.append(packer.compress(raw) + packer.flush())
             self._raw = bytearray()
 
     def getvalue(self) -> bytes:
         """Everything appended, in order."""
-        return b"".join([*(zlib.decompress(block, -12) for block in self._blocks), self._raw])
+        parts = [block if type(block) is bytearray else zlib.decompress(block, -12) for block in self._blocks]
+        return b"".join([*parts, self._raw])
+
+    def __del__(self) -> None:
+        RAW_BUDGET.free += self._held
 
 
 class Recorder:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway import resume
 from gateway.resume import SentLog
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
@@ -142,21 +143,57 @@ def test_streams_that_cannot_be_resumed_end_with_a_clear_error(setup: Setup) -> 
         assert "cannot be resumed on another pod (tool calls)" in events[-2]["error"]["message"]
 
 
-def test_sent_log_gives_back_every_byte_across_blocks() -> None:
-    """The resume log keeps full blocks compressed; read back, it is exactly what was sent, however
-    the reads fell (a read that straddles a block boundary, empty reads, one huge read)."""
-    event = (
-        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
-        b'"choices":[{"index":0,"delta":{"content":"tok\\u00e9 "},"finish_reason":null}]}\n\n'
-    )
-    stream = event * 300 + b"data: [DONE]\n\n"
+def _sent(stream: bytes, log: SentLog) -> SentLog:
+    """``stream`` appended to ``log`` in reads of every awkward size (one straddling a block
+    boundary, empty ones, one huge one)."""
     rng = random.Random(7)
-    log = SentLog()
     at = 0
     while at < len(stream):
         size = rng.choice((0, 1, 17, 230, 4095, 4096, 9000))
         log.append(stream[at : at + size])
         at += size
+    return log
+
+
+_EVENT = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"tok\\u00e9 "},"finish_reason":null}]}\n\n'
+)
+
+
+@pytest.mark.parametrize("budget", ["room", "spent"])
+def test_sent_log_gives_back_every_byte_across_blocks(budget: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume log keeps full blocks as they are while the process's raw budget lasts and
+    deflated past it; read back, it is exactly what was sent, however the reads fell."""
+    stream = _EVENT * 300 + b"data: [DONE]\n\n"
+    monkeypatch.setattr(resume.RAW_BUDGET, "free", 1 << 20 if budget == "room" else 100)
+    log = _sent(stream, SentLog())
     assert log.getvalue() == stream
-    assert len(log._blocks) > 5 and sum(map(len, log._blocks)) < len(stream) // 5  # it did compress
+    assert len(log._blocks) > 5
+    if budget == "room":
+        assert all(type(block) is bytearray for block in log._blocks)
+    else:
+        assert sum(map(len, log._blocks)) < len(stream) // 5  # it did compress
     assert SentLog().getvalue() == b""
+
+
+def test_the_raw_budget_is_given_back_when_a_log_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log that held blocks raw gives their bytes back to the process's budget when it is freed,
+    so later streams keep theirs raw too; once the budget is spent, new blocks are deflated."""
+    def one_event_a_read(events: int) -> SentLog:
+        log = SentLog()
+        for _ in range(events):
+            log.append(_EVENT)
+        return log
+
+    monkeypatch.setattr(resume.RAW_BUDGET, "free", 3 * SentLog.BLOCK)  # two blocks' room, not three
+    first = one_event_a_read(100)
+    taken = 3 * SentLog.BLOCK - resume.RAW_BUDGET.free
+    assert taken > 0 and any(type(b) is bytes for b in first._blocks)  # spent: the rest deflated
+    second = one_event_a_read(100)
+    assert all(type(b) is bytes for b in second._blocks)
+    del first
+    assert resume.RAW_BUDGET.free == 3 * SentLog.BLOCK  # given back (second held none)
+    third = one_event_a_read(30)
+    assert type(third._blocks[0]) is bytearray
+    assert second.getvalue() == _EVENT * 100
