@@ -37,7 +37,7 @@ class FinishWatch:
         self.finished: set[int] = set()
 
     def feed(self, body: bytes) -> None:
-        if _MARK in body or _SPACED in body:
+        if body.find(_MARK) != -1 or body.find(_SPACED) != -1:
             self.finished |= sse.finished_choices(body)
 
     def wrap(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:

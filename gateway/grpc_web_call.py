@@ -227,7 +227,7 @@ class Call:
                 if frame is not None:
                     return frame
         buf = self._rest + body if self._rest else body
-        if b"\r" in buf:
+        if buf.find(b"\r") != -1:
             buf = buf.replace(b"\r\n", b"\n")
         events = buf.split(b"\n\n")
         self._rest = events.pop()

@@ -153,7 +153,7 @@ class ChunkEncoder:
         self._forget()
         self._prefix, self._suffix, self._tail = prefix, suffix, tail
         self._choice_head = _int_field(0x08, choice.get("index"))
-        if b"\n" not in data and b"\r" not in data:  # else not one ``data:`` line as it stands
+        if data.find(b"\n") == -1 and data.find(b"\r") == -1:  # else not one ``data:`` line as it stands
             self._event_prefix, self._event_suffix = b"data: " + prefix, suffix + b"\n\n"
 
 

@@ -172,7 +172,7 @@ class Splicer:
     def chunk(self, data: bytes) -> bytes:
         if type(self.created) is int and type(self.new_created) is int and self.new_created != self.created:
             data = data.replace(b'"created":%d' % self.new_created, b'"created":%d' % self.created)
-        if b'"usage"' in data:
+        if data.find(b'"usage"') != -1:
             data = self._fix_usage(data)
         return data
 

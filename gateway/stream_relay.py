@@ -139,7 +139,7 @@ class StreamRelay:
                 if recorder is None and not sse.ends_event(resp.last):
                     event = b"\n\n" + event  # the pod's bytes stopped inside an event: close it first
                 await send({"type": "http.response.body", "body": take_tail() + event, "more_body": True})
-            elif sse.ERROR_EVENT in resp.last or sse.ERROR_EVENT in resp.previous:
+            elif resp.last.find(sse.ERROR_EVENT) != -1 or resp.previous.find(sse.ERROR_EVENT) != -1:
                 # whole by its framing, but the pod ended it with an error event of its own (vLLM's
                 # mid-stream failure): passed on as sent, and not an "ok" for the logs or a canary's judge
                 ex.detail = "upstream_error_event"

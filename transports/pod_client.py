@@ -87,7 +87,8 @@ class PodResponse:
     def _feed(self, body: bytes) -> None:
         if self._eof:
             return  # closed by the gateway while the parser was still delivering this read
-        if body[0] != 58 or b"\ndata:" in body:  # a read of only SSE comments (b":...") is no progress
+        # a read of only SSE comments (b":...") is no progress; find, not ``in`` (see UsageTap.wrap)
+        if body[0] != 58 or body.find(b"\ndata:") != -1:
             self.last_at = self._now()
         self.chunks += 1
         # ``previous + last`` must hold the stream's last whole event for the end-of-stream verdict:

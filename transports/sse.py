@@ -160,7 +160,7 @@ def ends_event(buf: bytes) -> bool:
 
 
 def _events(buf: bytes) -> list[bytes]:
-    if b"\r" in buf:
+    if buf.find(b"\r") != -1:
         buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     return buf.split(b"\n\n")
 
@@ -170,7 +170,7 @@ def finished_choices(buf: bytes) -> set[int]:
     done: set[int] = set()
     for event in _events(buf):
         data = event_data(event)
-        if not data or b"finish_reason" not in data:
+        if not data or data.find(b"finish_reason") == -1:
             continue
         try:
             payload = json.loads(data)
