@@ -61,9 +61,13 @@ bench-deps: setup  # the bench extra (matplotlib, py-spy, ...) and Debian's ngin
 	@command -v h2load >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client >/dev/null 2>&1; } || \
 		echo "bench: h2load could not be installed; its rows and the scale curve's top levels will be skipped"
+	@command -v valgrind >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null 2>&1; } || \
+		echo "bench: valgrind could not be installed; the instruction counts will be skipped"
 
 bench: bench-deps  ## direct vs gateway vs nginx vs the uvloop floor; installs nginx from Debian when it can
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
+	$(BIN)/python -m loadtest.bench_instructions $(BENCH_INSTRUCTION_ARGS)
 	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
 	$(BIN)/python -m loadtest.bench_resume $(BENCH_RESUME_ARGS)
 	$(BIN)/python -m loadtest.bench_shed $(BENCH_SHED_ARGS)

@@ -55,6 +55,7 @@ COLORS = {"direct": "#4c72b0", "gateway": "#dd8452", "nginx": "#55a868"}
 # The make bench steps, in its order, then the two that only the report runs. {dir}/{md} are filled in.
 STEPS: list[tuple[str, list[str]]] = [
     ("bench", ["loadtest.bench", "--json", "{dir}/bench.json", "--write-md", "{md}"]),
+    ("instructions", ["loadtest.bench_instructions", "--write-md", "{md}"]),
     ("disconnects", ["loadtest.bench_disconnects", "--write-md", "{md}"]),
     ("resume", ["loadtest.bench_resume", "--write-md", "{md}"]),
     ("shed", ["loadtest.bench_shed", "--write-md", "{md}"]),

@@ -37,10 +37,12 @@ class GatewayProcess:
         extra_args: list[str] | None = None,
         cpu: int | None = None,
         startup_timeout_s: float = 30.0,
+        command_prefix: list[str] | None = None,
     ) -> None:
         self.config = config
         self.extra_args = extra_args or []
         self.cpu = cpu
+        self.command_prefix = command_prefix or []  # a wrapper to run it under (valgrind, perf, ...)
         self.startup_timeout_s = startup_timeout_s
         self.url = ""
         self.admin_url = ""
@@ -65,6 +67,7 @@ class GatewayProcess:
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), *self.extra_args]
         if self.cpu is not None:
             argv = ["taskset", "-c", str(self.cpu), *argv]
+        argv = [*self.command_prefix, *argv]
         self._log = self.log_path.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)

@@ -1,0 +1,146 @@
+"""Machine instructions per request and per token: the gateway's own Python, counted, not timed.
+
+CPU time on this VM moves with the machine by up to 5x in a day (``docs/benchmarks.md``, "What is
+left"), so a change worth 5 % cannot be seen in ``make bench``'s tables. Valgrind's callgrind counts
+the instructions a process runs in user mode, whatever else the machine does: the same load gives
+the same count within ~1-2 %. It sees nothing of the kernel (system calls, which the gateway and
+nginx pay alike) and little of caches, so it measures exactly the part of the cost that is ours.
+
+The proxy runs under callgrind with counting off; it is switched on (``callgrind_control``) only
+around three loads of one stream that last the same time (so the probes, scrapes and timers running
+beside them cost the same in each):
+
+- A: 10 requests of 32 tokens at 20 ms a token,
+- B: 40 requests of 8 tokens at 20 ms a token (30 requests more, the same tokens and time),
+- C: 10 requests of 160 tokens at 4 ms a token (1280 tokens more, the same requests and time),
+
+so a request costs (B - A) / 30 instructions and a token (C - A) / 1280. Targets: ``gateway`` (every
+feature on, as ``make bench``'s) and ``floor`` (``loadtest/floor.py``: what a uvloop relay costs at
+the least). Under callgrind a process runs ~50x slower; the pacing keeps each token a read of its own.
+
+    python -m loadtest.bench_instructions [--target gateway,floor] [--write-md FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from loadtest import bench
+from loadtest.floor import FloorProcess
+from loadtest.procs import GatewayProcess
+from loadtest.report import command_line, publish
+
+LOADS = {"A": (10, 32, 20.0), "B": (40, 8, 20.0), "C": (10, 160, 4.0)}  # requests, tokens, ms a token
+TARGETS = ("gateway", "floor")
+
+
+def _callgrind(out: Path) -> list[str]:
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+
+
+def _total(dump: Path) -> int:
+    for line in dump.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {dump}")
+
+
+def _start(target: str, pod_url: str, scratch: Path, out: Path) -> tuple[Any, dict[str, str]]:
+    """The proxy under callgrind (counting off), ready; and the headers the load sends."""
+    if target == "floor":
+        floor = FloorProcess([pod_url], command_prefix=_callgrind(out))
+        floor.startup_timeout_s = 300.0
+        return floor.start(), {}
+    config, key = bench.gateway_config(pod_url, scratch / "keys.yaml")
+    gateway = GatewayProcess(config, startup_timeout_s=300.0, command_prefix=_callgrind(out))
+    gateway.start()
+    bench.wait_ready(gateway, timeout_s=300.0)
+    return gateway, bench.auth_headers(key)
+
+
+def count(target: str, load: str) -> int:
+    """Instructions the proxy ran during one load."""
+    requests, tokens, itl_ms = LOADS[load]
+    scenario = dataclasses.replace(
+        bench.SCENARIOS["a"], streams=1, requests=requests, max_tokens=tokens, itl_ms=itl_ms
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        out = scratch / "callgrind.out"
+        pod = bench.start_pod(scenario, pin=False)
+        try:
+            proxy, headers = _start(target, pod.url, scratch, out)
+            try:
+                bench.warm_up(proxy.url, headers=headers)
+                control = ["callgrind_control", "--instr=on", str(proxy.pid)]
+                subprocess.run(control, check=True, capture_output=True)
+                result = bench.run_loadgen(proxy.url, scenario, pin=False, headers=headers)
+                for step in ("--instr=off", "--dump"):
+                    subprocess.run([control[0], step, str(proxy.pid)], check=True, capture_output=True)
+            finally:
+                proxy.stop()
+        finally:
+            pod.stop()
+        if result["errors"] or result["ok"] != requests:
+            samples = result.get("error_samples")
+            raise RuntimeError(f"{target} load {load}: {result['ok']}/{requests} ok ({samples})")
+        dumps = sorted(scratch.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
+        return _total(dumps[0])
+
+
+def measure(target: str) -> dict[str, float]:
+    a, b, c = (count(target, load) for load in "ABC")
+    return {
+        "A": a, "B": b, "C": c,
+        "per_request": (b - a) / (LOADS["B"][0] - LOADS["A"][0]),
+        "per_token": (c - a) / (LOADS["C"][0] * LOADS["C"][1] - LOADS["A"][0] * LOADS["A"][1]),
+    }
+
+
+def render(rows: dict[str, dict[str, float]], command: str) -> str:
+    lines = [
+        f"Command: `{command}`  ",
+        "Instructions the proxy ran in user mode (callgrind), one stream; per request from loads A and B, "
+        "per token from A and C (see the module doc).",
+        "",
+        "| target | load A | load B | load C | per request | per token |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for target, r in rows.items():
+        lines.append(
+            f"| {target} | {r['A'] / 1e6:.1f} M | {r['B'] / 1e6:.1f} M | {r['C'] / 1e6:.1f} M "
+            f"| {r['per_request'] / 1e3:,.0f} k | {r['per_token'] / 1e3:.1f} k |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_instructions", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--target", default=",".join(TARGETS), help="comma-separated: gateway, floor")
+    parser.add_argument("--write-md", metavar="FILE")
+    args = parser.parse_args(argv)
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("bench_instructions: valgrind is not installed (Debian: valgrind); skipped", file=sys.stderr)
+        return 0
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # the same dict layouts run to run
+    rows = {t: measure(t) for t in targets}
+    publish(render(rows, command_line("loadtest.bench_instructions", argv)), args.write_md, "instructions")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
