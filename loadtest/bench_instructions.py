@@ -14,9 +14,11 @@ beside them cost the same in each):
 - B: 40 requests of 8 tokens at 20 ms a token (30 requests more, the same tokens and time),
 - C: 10 requests of 160 tokens at 4 ms a token (1280 tokens more, the same requests and time),
 
-so a request costs (B - A) / 30 instructions and a token (C - A) / 1280. Targets: ``gateway`` (every
-feature on, as ``make bench``'s) and ``floor`` (``loadtest/floor.py``: what a uvloop relay costs at
-the least). Under callgrind a process runs ~50x slower; the pacing keeps each token a read of its own.
+so a request costs (B - A) / 30 instructions and a token (C - A) / 1280. Targets: ``gateway``
+(every feature on, as ``make bench``'s, with probes, scrapes and file checks once a minute: they
+cancel out of both figures, and at their usual second or two they only added noise) and ``floor``
+(``loadtest/floor.py``: what a uvloop relay costs at the least). Under callgrind a process runs
+~50x slower; the pacing keeps each token a read of its own.
 
     python -m loadtest.bench_instructions [--target gateway,floor] [--write-md FILE]
 """
@@ -40,6 +42,7 @@ from loadtest.report import command_line, publish
 
 LOADS = {"A": (10, 32, 20.0), "B": (40, 8, 20.0), "C": (10, 160, 4.0)}  # requests, tokens, ms a token
 TARGETS = ("gateway", "floor")
+QUIET_S = 60.0  # probes, scrapes and file checks during a load: none after the first
 
 
 def _callgrind(out: Path) -> list[str]:
@@ -60,6 +63,11 @@ def _start(target: str, pod_url: str, scratch: Path, out: Path) -> tuple[Any, di
         floor.startup_timeout_s = 300.0
         return floor.start(), {}
     config, key = bench.gateway_config(pod_url, scratch / "keys.yaml")
+    # Every feature on, but the periodic work beside the load once a minute: it costs each load the
+    # same, so it cancels out, but its ~20 M instructions a load were most of the runs' spread.
+    config["health"] = {"probe": {"interval_s": QUIET_S}, "scrape": {"interval_s": QUIET_S}}
+    config["auth"]["reload_interval_s"] = QUIET_S
+    config["reload"] = {"interval_s": QUIET_S}
     gateway = GatewayProcess(config, startup_timeout_s=300.0, command_prefix=_callgrind(out))
     gateway.start()
     bench.wait_ready(gateway, timeout_s=300.0)
