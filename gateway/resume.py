@@ -221,9 +221,9 @@ class RawBudget:
         self.free = size
 
 
-# 8 MiB: every stream's log whole at a hundred streams of 256 tokens (~5 MB), no deflating at all;
-# past it (500 streams, 2000) the blocks are deflated as before, so memory stays bounded.
-RAW_BUDGET = RawBudget(8 << 20)
+# 4 MiB: most of every log kept whole at a hundred streams of 256 tokens (~5 MB in all); past it (500
+# streams, 2000) blocks are deflated as before, so a gateway's peak memory grows by 4 MiB at most.
+RAW_BUDGET = RawBudget(4 << 20)
 
 
 class SentLog:
