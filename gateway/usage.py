@@ -187,7 +187,7 @@ class UsageTap:
 
         ``find``, never ``in``, on bytes in the per-read paths: Python 3.11's ``x in some_bytes``
         first tries ``x`` as an integer, so a bytes ``x`` raises, formats and clears a TypeError
-        each time, ~2,000 machine instructions (callgrind), ~9 % of a token's in the gateway."""
+        each time (this check: 240 ns with ``in``, 156 with ``find``, on a token's read)."""
         feed = self.feed
         ex = self.ex
         mark = USAGE_MARK
