@@ -46,6 +46,12 @@ def _runtime(admin_url: str) -> dict[str, float]:
     }
 
 
+def _back_to(admin_url: str, baseline: dict[str, float]) -> bool:
+    """Whether the gateway's tasks, descriptors and pod connections are back at or under ``baseline``."""
+    now = _runtime(admin_url)
+    return all(now[what] <= baseline[what] for what in ("tasks", "fds", "upstream"))
+
+
 def _open_stream(url: str, headers: str = "") -> socket.socket:
     parts = urlsplit(url)
     body = json.dumps(LONG).encode()
@@ -78,11 +84,7 @@ def test_forty_clients_leaving_abort_forty_generations_and_leak_nothing(
 
     # Probe and scrape rounds run tasks and sockets of their own for a moment, in either snapshot:
     # what the 40 streams held must be gone, which a leak never is however long it is given.
-    def settled() -> bool:
-        now = _runtime(admin)
-        return all(now[what] <= baseline[what] for what in ("tasks", "fds", "upstream"))
-
-    assert wait_for(settled), (baseline, _runtime(admin))
+    assert wait_for(lambda: _back_to(admin, baseline)), (baseline, _runtime(admin))
 
 
 def test_a_stream_the_client_leaves_is_still_counted(fleet: Fleet) -> None:
@@ -130,9 +132,4 @@ def test_a_client_leaving_during_its_second_request_on_a_connection_aborts_that_
         assert wait_for(lambda: _runtime(admin)["in_flight"] == 1)
     assert wait_for(lambda: pod_aborts(fleet) >= aborts + 1)
     assert wait_for(lambda: _runtime(admin)["in_flight"] == 0)
-
-    def settled() -> bool:
-        now = _runtime(admin)
-        return all(now[what] <= baseline[what] for what in ("tasks", "fds", "upstream"))
-
-    assert wait_for(settled), (baseline, _runtime(admin))
+    assert wait_for(lambda: _back_to(admin, baseline)), (baseline, _runtime(admin))
