@@ -29,8 +29,7 @@ class DisconnectWatch:
     """
 
     __slots__ = (
-        "_hangups", "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher",
-        "finished", "gone",
+        "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone",
     )
 
     def __init__(self, receive: Receive, hangups: HangupWatcher | None) -> None:
@@ -39,7 +38,6 @@ class DisconnectWatch:
         self._upstream: PodResponse | None = None
         self._task = asyncio.current_task()
         self._watcher: asyncio.Future[None] | None = None
-        self._hangups = hangups
         self._pairing: Pairing | None = None
         self._own_pairing = False  # ours to unpair at the end, not the client connection's
         self._tripwire = trip_on_disconnect(receive, self._client_gone)
@@ -60,9 +58,9 @@ class DisconnectWatch:
     @upstream.setter
     def upstream(self, resp: PodResponse | None) -> None:
         self._upstream = resp
-        if self._pairing is not None:
-            assert self._hangups is not None
-            self._hangups.set_upstream(self._pairing, resp.socket if resp is not None else None)
+        pairing = self._pairing
+        if pairing is not None:
+            pairing.watcher.set_upstream(pairing, resp.socket if resp is not None else None)
 
     def _client_gone(self) -> None:
         if not self.finished and self._task is not None:

@@ -49,6 +49,11 @@ def _callgrind(out: Path) -> list[str]:
     return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
 
 
+def _control(pid: int, option: str) -> None:
+    """Tell the callgrind running ``pid`` to count (``--instr=on``), stop, or write its counts."""
+    subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
+
+
 def _total(dump: Path) -> int:
     for line in dump.read_text().splitlines():
         if line.startswith("totals:"):
@@ -88,11 +93,10 @@ def count(target: str, load: str) -> int:
             proxy, headers = _start(target, pod.url, scratch, out)
             try:
                 bench.warm_up(proxy.url, headers=headers)
-                control = ["callgrind_control", "--instr=on", str(proxy.pid)]
-                subprocess.run(control, check=True, capture_output=True)
+                _control(proxy.pid, "--instr=on")
                 result = bench.run_loadgen(proxy.url, scenario, pin=False, headers=headers)
-                for step in ("--instr=off", "--dump"):
-                    subprocess.run([control[0], step, str(proxy.pid)], check=True, capture_output=True)
+                _control(proxy.pid, "--instr=off")
+                _control(proxy.pid, "--dump")
             finally:
                 proxy.stop()
         finally:
