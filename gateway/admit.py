@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError, bad_request
+from transports import json_bytes
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -102,7 +103,7 @@ def parse_request(route: str, body: bytes) -> InferenceRequest:
     if not body:
         raise bad_request("Request body is empty; expected a JSON object.")
     try:
-        payload = json.loads(body)
+        payload = json_bytes.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
     except RecursionError:  # Python's decoder gives up past ~1000 levels; a client chose that depth

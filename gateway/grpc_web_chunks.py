@@ -7,11 +7,11 @@ JSON parse at all. Anything unusual falls back to ``gateway.grpc_web_messages.ch
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from gateway.grpc_web_messages import chunk_message
+from transports import json_bytes
 from transports.grpc_web import encode_message
 
 
@@ -243,21 +243,11 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-_scan = json.JSONDecoder().scan_once
-
-
 def parse_json(data: bytes) -> Any:
-    """``json.loads`` for one SSE payload, without its per-call encoding detection and regexes.
+    """``json.loads`` for one SSE payload (``transports.json_bytes``).
 
     Raises ValueError, also for JSON nested past the decoder's depth (a RecursionError there)."""
-    text = data.decode()
     try:
-        value, end = _scan(text, 0)
-    except (StopIteration, RecursionError):
-        end = -1  # e.g. leading whitespace: json.loads decides
-    if end == len(text):
-        return value
-    try:
-        return json.loads(text)
+        return json_bytes.loads(data)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None

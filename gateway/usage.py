@@ -21,14 +21,13 @@ on a fast pod) make that figure low; the pod's own usage, whenever it arrives, i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 from gateway.admit import InferenceRequest, encode_body
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from transports import sse
+from transports import json_bytes, sse
 from transports.pod_client import PodResponse
 
 USAGE_MARK = b'"choices":[],"usage":'  # vLLM's (and podsim's) compact usage chunk
@@ -213,7 +212,7 @@ class UsageTap:
             self.held = body[start:]
             return body[:start]
         try:
-            usage = json.loads(body[start + len(_EVENT) : end]).get("usage")
+            usage = json_bytes.loads(body[start + len(_EVENT) : end]).get("usage")
         except (ValueError, AttributeError, RecursionError):
             usage = None
         if isinstance(usage, dict):

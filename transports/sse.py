@@ -14,6 +14,8 @@ import json
 import re
 from typing import Any
 
+from transports import json_bytes
+
 DONE = b"[DONE]"
 ERROR_EVENT = b'data: {"error"'  # vLLM's in-stream error event (../shared/wire/vllm-midstream-error.txt)
 
@@ -109,7 +111,7 @@ def scan_first_token(buf: bytes, start: int = 0) -> tuple[bool, int]:
         if data.strip() == DONE:
             return True, pos
         try:
-            payload = json.loads(data)
+            payload = json_bytes.loads(data)
         except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
             raise MalformedEvent(data[:200].decode("utf-8", "replace")) from None
         if not isinstance(payload, dict):
@@ -129,7 +131,7 @@ def find_usage(tail: bytes) -> dict[str, int] | None:
     end, _ = _event_end(tail, begin, tail.find(b"\r", begin) == -1)
     data = event_data(tail[begin : end if end != -1 else len(tail)])
     try:
-        payload = json.loads(data or b"")
+        payload = json_bytes.loads(data or b"")
         usage = payload.get("usage")
     except (ValueError, AttributeError, RecursionError):
         return None
