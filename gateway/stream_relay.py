@@ -12,6 +12,7 @@ no per-chunk awaits, wrappers or allocations.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -388,20 +389,9 @@ def _sink(
     usage tap (each only when the stream has one)."""
     if tap is not None:
         write = tap.wrap(write)
-    sink = write if recorder is None else _recording(recorder, write, resp)
+    sink = write if recorder is None else recorder.sink(write, functools.partial(_broken_by_its_pod, resp))
     return sink if finish is None else finish.wrap(sink)
 
 
-def _recording(
-    recorder: Recorder, write: Callable[[bytes], None], resp: PodResponse
-) -> Callable[[bytes], None]:
-    """A sink that records what it passes and ends the answer at a pod's error event."""
-
-    def sink(body: bytes) -> None:
-        out = recorder.filter(body)
-        if out:
-            write(out)
-        if recorder.broken:
-            resp.close(PodBrokenError("the pod reported an error mid-stream"))
-
-    return sink
+def _broken_by_its_pod(resp: PodResponse) -> None:
+    resp.close(PodBrokenError("the pod reported an error mid-stream"))

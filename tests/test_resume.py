@@ -171,7 +171,7 @@ def test_sent_log_gives_back_every_byte_across_blocks(budget: str, monkeypatch: 
     assert log.getvalue() == stream
     assert len(log._blocks) > 5
     if budget == "room":
-        assert all(type(block) is bytearray for block in log._blocks)
+        assert not any(isinstance(block, resume._Deflated) for block in log._blocks)
     else:
         assert sum(map(len, log._blocks)) < len(stream) // 5  # it did compress
     assert SentLog().getvalue() == b""
@@ -189,11 +189,36 @@ def test_the_raw_budget_is_given_back_when_a_log_goes(monkeypatch: pytest.Monkey
     monkeypatch.setattr(resume.RAW_BUDGET, "free", 3 * SentLog.BLOCK)  # two blocks' room, not three
     first = one_event_a_read(100)
     taken = 3 * SentLog.BLOCK - resume.RAW_BUDGET.free
-    assert taken > 0 and any(type(b) is bytes for b in first._blocks)  # spent: the rest deflated
+    assert taken > 0 and any(isinstance(b, resume._Deflated) for b in first._blocks)  # spent: the rest deflated
     second = one_event_a_read(100)
-    assert all(type(b) is bytes for b in second._blocks)
+    assert all(isinstance(b, resume._Deflated) for b in second._blocks)
     del first
     assert resume.RAW_BUDGET.free == 3 * SentLog.BLOCK  # given back (second held none)
     third = one_event_a_read(30)
-    assert type(third._blocks[0]) is bytearray
+    assert not isinstance(third._blocks[0], resume._Deflated)
     assert second.getvalue() == _EVENT * 100
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_recorded_splice_passes_whole_events_and_stops_at_a_pod_error(seed: int) -> None:
+    """However the pod's reads fall, the client gets whole events only, in order, each once; what
+    it got is what the log reads back; at vLLM's mid-stream error event the events before it are
+    passed on, nothing from it on, and the splice is told once."""
+    rng = random.Random(seed)
+    events = [_EVENT] * rng.randrange(1, 40)
+    error = b'data: {"error": {"object": "error", "message": "engine died", "code": 500}}\n\n'
+    broken = seed % 2 == 1
+    stream = b"".join(events) + (error + _EVENT if broken else b"data: [DONE]\n\n")
+    cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(0, 30))))
+    reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+
+    recorder = resume.Recorder()
+    written: list[bytes] = []
+    breaks: list[None] = []
+    sink = recorder.sink(written.append, lambda: breaks.append(None))
+    for read in reads:
+        sink(read)
+    assert all(part.endswith(b"\n\n") for part in written)  # never a partial event
+    assert b"".join(written) == (b"".join(events) if broken else stream)
+    assert recorder.sent == b"".join(written)
+    assert len(breaks) == (1 if broken else 0)
