@@ -152,6 +152,15 @@ class StreamRelay:
     def _record_usage(
         self, ex: Exchange, resp: PodResponse, recorder: Recorder | None, tap: UsageTap | None
     ) -> None:
+        """``ex.usage`` from the pods; without it, the tokens the client got are the charge, counted
+        here from the recorder when the tap did not count them per read (``_sink``)."""
+        self._pods_usage(ex, resp, recorder, tap)
+        if ex.usage is None and tap is not None and recorder is not None:
+            ex.tokens_relayed = content_events(recorder.sent)
+
+    def _pods_usage(
+        self, ex: Exchange, resp: PodResponse, recorder: Recorder | None, tap: UsageTap | None
+    ) -> None:
         """``ex.usage``: what the pods did (over every pod of a resumed stream), counted in the metrics."""
         splicer = recorder.splicer if recorder is not None else None
         if splicer is not None:  # resumed: the client's usage was rewritten; the pods' is the sum
@@ -387,8 +396,8 @@ def _sink(
 ) -> Callable[[bytes], None]:
     """What every pod read goes through on its way to ``write``: the finish watch, the recorder, the
     usage tap (each only when the stream has one)."""
-    if tap is not None:
-        write = tap.wrap(write)
+    if tap is not None:  # with a recorder, tokens relayed are counted from it (see _record_usage)
+        write = tap.wrap(write, count=recorder is None)
     sink = write if recorder is None else recorder.sink(write, functools.partial(_broken_by_its_pod, resp))
     return sink if finish is None else finish.wrap(sink)
 

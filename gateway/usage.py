@@ -7,7 +7,9 @@ sees (``UsageTap``): its bytes are then exactly what vLLM would have sent it wit
 The usage event is vLLM's last one before ``data: [DONE]`` (``"choices":[]`` and ``usage``; token
 chunks carry no usage key), so finding it costs one ``bytes.find`` per pod read, and only streams
 under a quota pay even that. A client that leaves early is charged for the content events it got
-(``tokens_relayed``), counted with ``bytes.count`` per read: no JSON per token.
+(``tokens_relayed``), counted with ``bytes.count`` per read: no JSON per token; a stream that may be
+resumed skips that count, since its recorder keeps what was sent, and is counted from it once, only
+when no usage arrives.
 
 Streams under no quota get no tap and cost nothing more per read: their tokens relayed are the
 content events of the head plus the pod reads after it (the pod connection counts those anyway; a
@@ -177,12 +179,14 @@ class UsageTap:
         held, self.held = self.held, b""
         return held
 
-    def wrap(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    def wrap(self, sink: Callable[[bytes], None], count: bool = True) -> Callable[[bytes], None]:
         """A splice sink that feeds every read through the tap first.
 
         It runs once per pod read of every stream under a quota, so the common read (whole events,
         no usage event, nothing held) costs one ``find``, one ``count`` and the write; only the others
         take ``feed``'s way (measured: ``docs/benchmarks.md``, "Admission: keys and quotas").
+        ``count=False``: a stream whose recorder keeps what was sent skips the ``count``; its tokens
+        relayed are counted from that record once, and only when no usage arrives (``stream_relay``).
 
         ``find``, never ``in``, on bytes in the per-read paths: Python 3.11's ``x in some_bytes``
         first tries ``x`` as an integer, so a bytes ``x`` raises, formats and clears a TypeError
@@ -197,7 +201,8 @@ class UsageTap:
                 if body:
                     sink(body)
                 return
-            ex.tokens_relayed += body.count(_EVENT)
+            if count:
+                ex.tokens_relayed += body.count(_EVENT)
             sink(body)
 
         return tapped

@@ -391,6 +391,34 @@ def test_a_resumed_stream_charges_every_pod_and_shows_the_client_no_usage(resuma
     assert resumed >= 1
 
 
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_client_that_leaves_a_metered_stream_is_charged_what_it_got(resume: bool) -> None:
+    """No usage comes from a pod whose generation was aborted, so the charge (and the token metrics)
+    are the tokens the client was sent: per read by the usage tap, or, when the stream may be
+    resumed, from the recorder's record of what was sent, counted once at the end."""
+    with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "20"]) as pod:
+        config: dict[str, Any] = {
+            "server": {"host": "127.0.0.1", "max_tokens": 256},
+            "quotas": {"default": {"tokens_per_minute": 1_000_000}},
+            "pods": [{"name": "pod", "url": pod.url, "models": ["llama-8b"]}],
+        }
+        if resume:
+            config["resume"] = {"models": ["*"], "max_per_request": 1}
+        with GatewayProcess(config) as gw:
+            quota = Quota(pod, gw)
+            before = _tokens(quota, "completion")
+            body = {**BODY, "max_tokens": 200}
+            with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+                events = 0
+                for line in resp.iter_lines():
+                    events += line.startswith("data: ")
+                    if events == 10:
+                        break  # the client leaves: the first event was chat's role-only chunk
+            assert wait_for(lambda: _tokens(quota, "completion") > before)
+            charged = _tokens(quota, "completion") - before
+            assert 9 <= charged < 200, charged
+
+
 # -- system: a degraded answer under a quota -------------------------------------------------------------
 
 
