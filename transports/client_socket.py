@@ -2,8 +2,10 @@
 
 After the first token, the relay hands each pod body chunk from the pod connection's parser callback
 straight to the client's connection instead of awaiting one ASGI ``send`` per pod read (see
-docs/architecture.md, "Why the hot path looks the way it does"). The response still starts and ends
-with ASGI messages, so the server's own bookkeeping (keep-alive, END_STREAM, trailers) stays right.
+docs/architecture.md, "Why the hot path looks the way it does"). The response still ends with an
+ASGI message, so the server's own bookkeeping (keep-alive, END_STREAM, trailers) stays right; it
+starts with one too, except a streamed answer's head under uvicorn's HTTP/1.1, which
+``start_response`` writes itself and records in uvicorn's request cycle as uvicorn would.
 ``client_socket(send)`` finds the target behind ``send``:
 
 - uvicorn's HTTP/1.1: its request cycle holds the client's transport and flow control; once the
