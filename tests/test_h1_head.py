@@ -58,7 +58,9 @@ def _cycle(*, keep_alive: bool = True, method: str = "POST") -> tuple[RequestRes
     return cycle, transport
 
 
-_STATE = ("response_started", "chunked_encoding", "expected_content_length", "keep_alive", "response_complete")
+_STATE = (
+    "response_started", "chunked_encoding", "expected_content_length", "keep_alive", "response_complete",
+)
 
 
 async def _both_ways(
@@ -110,7 +112,9 @@ def test_a_streamed_head_is_what_uvicorn_writes_in_one_write(
 
 @pytest.mark.parametrize("keep_alive", [True, False])
 @pytest.mark.parametrize("method", ["POST", "HEAD"])
-def test_connection_close_and_head_requests_frame_as_uvicorn_frames_them(keep_alive: bool, method: str) -> None:
+def test_connection_close_and_head_requests_frame_as_uvicorn_frames_them(
+    keep_alive: bool, method: str
+) -> None:
     headers = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"req-1")]
     ours, uvicorns = asyncio.run(_both_ways(headers, b"data: {}\n\n", keep_alive=keep_alive, method=method))
     assert (ours[0], ours[2], ours[3]) == (uvicorns[0], uvicorns[2], uvicorns[3])

@@ -189,7 +189,7 @@ def test_the_raw_budget_is_given_back_when_a_log_goes(monkeypatch: pytest.Monkey
     monkeypatch.setattr(resume.RAW_BUDGET, "free", 3 * SentLog.BLOCK)  # two blocks' room, not three
     first = one_event_a_read(100)
     taken = 3 * SentLog.BLOCK - resume.RAW_BUDGET.free
-    assert taken > 0 and any(isinstance(b, resume._Deflated) for b in first._blocks)  # spent: the rest deflated
+    assert taken > 0 and any(isinstance(b, resume._Deflated) for b in first._blocks)  # spent: deflated
     second = one_event_a_read(100)
     assert all(isinstance(b, resume._Deflated) for b in second._blocks)
     del first
@@ -210,7 +210,7 @@ def test_the_recorded_splice_passes_whole_events_and_stops_at_a_pod_error(seed: 
     broken = seed % 2 == 1
     stream = b"".join(events) + (error + _EVENT if broken else b"data: [DONE]\n\n")
     cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(0, 30))))
-    reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
 
     recorder = resume.Recorder()
     written: list[bytes] = []
