@@ -50,14 +50,14 @@ from h2.errors import ErrorCodes
 from h2.stream import StreamState
 from hpack import Encoder, NeverIndexedHeaderTuple
 
-from transports import h2_hpack
+from transports import h2_patches
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope, start_task
 from transports.h1_limits import error_json
 from transports.h2_guard import FloodGuard, H2Limits
 from transports.stream_starts import stream_starts
 
 logger = logging.getLogger("sluicegate.transports")
-h2_hpack.apply()  # hpack's Huffman decoding remembered, its debug logging off
+h2_patches.apply()  # hpack's Huffman decoding remembered, its debug logging off
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FLUSH_AT = 64 * 1024  # write at once, not at the end of the loop turn, past this many unwritten bytes

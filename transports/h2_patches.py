@@ -1,7 +1,7 @@
-"""Two patches the gateway carries for hpack 4.x, the header compression under h2.
+"""Patches the gateway carries for h2 4.x and hpack 4.x, its header compression.
 
-cProfile of one HTTP/2 request (h2load, every feature on; ``docs/benchmarks.md``) put hpack at 164
-of its ~1700 Python calls, and two things in it did no work a request needs:
+cProfile of one HTTP/2 request (h2load, every feature on; ``docs/benchmarks.md``) put h2 and hpack
+at ~460 of its ~1700 Python calls; three things there cost far more than the work they do:
 
 - **Huffman decoding, remembered.** hpack decodes a Huffman-coded literal in Python, one table step
   per nibble: its most expensive function, three calls a request. Clients send the same literals
@@ -12,9 +12,13 @@ of its ~1700 Python calls, and two things in it did no work a request needs:
   ``log.debug`` (~50 times a request), each two Python frames through ``logging`` for a record that
   is never kept. hpack's module loggers are replaced by one whose ``debug`` does nothing; its other
   levels still log.
+- **h2's check of received header characters, a byte at a time.** RFC 9113 section 8.2.1 forbids
+  some bytes in field names and values; h2 tests each byte of every request header in a Python
+  loop. Here a header whose name and value pass one ``bytes.translate`` each goes through at once;
+  any other goes through h2's own check, which raises its own error.
 
-``apply()`` installs both, once (``transports.h2_server`` calls it at import); results are hpack's
-own, exactly (tests/test_h2_hpack.py).
+``apply()`` installs all three, once (``transports.h2_server`` calls it at import); results are hpack's
+own, exactly (tests/test_h2_patches.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import h2.utilities
 import hpack.hpack
 import hpack.table
 from hpack.huffman_table import decode_huffman
@@ -51,9 +56,38 @@ class _QuietDebug(logging.LoggerAdapter):  # type: ignore[type-arg]
         pass
 
 
+_h2_reject_illegal_characters = h2.utilities._reject_illegal_characters
+# RFC 9113 8.2.1: a name is visible ASCII but upper case (a colon only first: checked apart); a value
+# has no NUL, LF or CR (nor space or tab at its ends: checked apart).
+_NAME_BYTES = bytes(b for b in range(0x21, 0x7F) if not 0x41 <= b <= 0x5A)
+_VALUE_BYTES = bytes(b for b in range(256) if b not in (0x00, 0x0A, 0x0D))
+_SPACES = (0x20, 0x09)
+
+
+def reject_illegal_characters(headers: Any, flags: Any) -> Any:
+    """``h2.utilities._reject_illegal_characters``, one ``translate`` a name and a value for the
+    usual header; any other header (or one not in bytes) is h2's to pass or refuse."""
+    for header in headers:
+        if _plain(header[0], header[1]):
+            yield header
+        else:
+            yield from _h2_reject_illegal_characters((header,), flags)
+
+
+def _plain(name: Any, value: Any) -> bool:
+    if type(name) is not bytes or type(value) is not bytes:
+        return False
+    if name.translate(None, _NAME_BYTES) or name.find(b":", 1) != -1:
+        return False
+    return not value or (
+        not value.translate(None, _VALUE_BYTES) and value[0] not in _SPACES and value[-1] not in _SPACES
+    )
+
+
 def apply() -> None:
-    """Install both patches (idempotent)."""
+    """Install the patches (idempotent)."""
     hpack.hpack.decode_huffman = decode_huffman_remembered
+    h2.utilities._reject_illegal_characters = reject_illegal_characters
     for module in (hpack.hpack, hpack.table):
         if not isinstance(module.log, _QuietDebug):
             module.log = _QuietDebug(module.log, {})

@@ -1,0 +1,102 @@
+"""The hpack patches the gateway carries (``transports.h2_patches``): hpack's results, exactly, and
+no debug records; the remembered Huffman decodings stay bounded."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.exceptions
+import pytest
+from hpack import Decoder, Encoder
+from hpack.exceptions import HPACKDecodingError
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from hpack.huffman_table import decode_huffman
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transports import h2_patches
+
+_CODER = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain=st.binary(max_size=300), twice=st.booleans())
+def test_a_remembered_decoding_is_hpacks(plain: bytes, twice: bool) -> None:
+    coded = _CODER.encode(plain)
+    assert h2_patches.decode_huffman_remembered(coded) == decode_huffman(coded) == plain
+    if twice:  # from the table the second time
+        assert h2_patches.decode_huffman_remembered(coded) == plain
+
+
+@settings(max_examples=300, deadline=None)
+@given(coded=st.binary(min_size=1, max_size=40))
+def test_any_bytes_decode_or_fail_as_hpack_decides(coded: bytes) -> None:
+    try:
+        expected: bytes | type[Exception] = decode_huffman(coded)
+    except HPACKDecodingError:
+        expected = HPACKDecodingError
+    for _ in range(2):  # a failure is never remembered as a result
+        if expected is HPACKDecodingError:
+            with pytest.raises(HPACKDecodingError):
+                h2_patches.decode_huffman_remembered(coded)
+        else:
+            assert h2_patches.decode_huffman_remembered(coded) == expected
+
+
+def test_the_table_stays_bounded_under_a_flood_of_distinct_literals() -> None:
+    for n in range(3 * h2_patches.CACHE_ENTRIES):
+        h2_patches.decode_huffman_remembered(_CODER.encode(b"value-%d" % n))
+    assert 0 < len(h2_patches._decoded) <= h2_patches.CACHE_ENTRIES
+
+
+def test_headers_round_trip_through_the_patched_hpack_without_debug_records(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h2_patches.apply()
+    h2_patches.apply()  # idempotent
+    headers = [(":method", "POST"), (":path", "/v1/chat/completions"), ("authorization", "Bearer sk-test-1"),
+               ("content-type", "application/json"), ("user-agent", "OpenAI/Python 1.0")]
+    encoder, decoder = Encoder(), Decoder()
+    with caplog.at_level(logging.DEBUG, logger="hpack"):
+        for _ in range(3):  # the first block adds to the tables, the next ones index and repeat literals
+            block = encoder.encode(headers, huffman=True)
+            assert decoder.decode(block) == headers
+    assert [r for r in caplog.records if r.name.startswith("hpack")] == []
+
+
+_NAME_CHOICES = st.sampled_from([b":path", b":method", b"content-type", b"authorization", b"x-a:b", b"X-Up",
+                                 b"a b", b"caf\xc3\xa9", b"", b"\x7f", b"::x", b"user-agent"])
+_VALUE_CHOICES = st.binary(max_size=16) | st.sampled_from(
+    [b"Bearer sk-1", b" lead", b"trail\t", b"", b"a\x00"]
+)
+
+
+def _checked(check: Any, headers: list[tuple[bytes, bytes]]) -> Any:
+    try:
+        return list(check(iter(headers), None))
+    except h2.exceptions.ProtocolError as exc:
+        return ("refused", str(exc))
+
+
+@settings(max_examples=400, deadline=None)
+@given(headers=st.lists(st.tuples(_NAME_CHOICES, _VALUE_CHOICES), max_size=6))
+def test_received_headers_pass_or_fail_as_h2_decides(headers: list[tuple[bytes, bytes]]) -> None:
+    ours = _checked(h2_patches.reject_illegal_characters, headers)
+    assert ours == _checked(h2_patches._h2_reject_illegal_characters, headers)
+
+
+def test_an_h2_server_still_refuses_a_request_header_with_a_newline() -> None:
+    h2_patches.apply()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.send_headers(1, [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "x"),
+                            ("x-bad", "a\nb")], end_stream=True)
+    with pytest.raises(h2.exceptions.ProtocolError, match="Illegal character"):
+        server.receive_data(client.data_to_send())
