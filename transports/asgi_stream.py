@@ -83,11 +83,10 @@ def response_headers(message: dict[str, Any]) -> Headers:
         values.append(value)
         if name not in _HOP_BY_HOP:
             headers.append((name, value.strip(_SPACE)))
-    if b"".join(names).translate(None, _TOKEN_BYTES) or b"".join(values).translate(None, _VALUE_BYTES):
-        return _checked_headers(message)
-    if b"" in names:
-        return _checked_headers(message)
-    return headers
+    names_ok = not b"".join(names).translate(None, _TOKEN_BYTES) and b"" not in names
+    if names_ok and not b"".join(values).translate(None, _VALUE_BYTES):
+        return headers
+    return _checked_headers(message)
 
 
 def _checked_headers(message: dict[str, Any]) -> Headers:
