@@ -28,10 +28,10 @@ CLIENT, SERVER = ("10.0.0.1", 1234), ("10.0.0.2", 443)
 STREAMS = 60
 WINDOW = 64 * 1024
 UPLOAD = 3 * WINDOW
+TOKEN = 230
 
 
-def _exchange(cert: Path, key: Path) -> dict[str, Any]:
-    now = 1000.0
+def _pair(cert: Path, key: Path) -> tuple[QuicConnection, QuicConnection]:
     client = QuicConnection(
         configuration=QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, verify_mode=0)
     )
@@ -40,9 +40,16 @@ def _exchange(cert: Path, key: Path) -> dict[str, Any]:
     server = QuicConnection(
         configuration=config, original_destination_connection_id=client.original_destination_connection_id
     )
+    return client, server
+
+
+def _exchange(cert: Path, key: Path) -> dict[str, Any]:
+    now = 1000.0
+    client, server = _pair(cert, key)
     received: dict[int, bytearray] = {}
     uploaded: dict[int, int] = {}
     resets: list[int] = []
+    sizes: list[int] = []  # the server's datagrams
 
     def pump() -> None:
         nonlocal now
@@ -53,6 +60,7 @@ def _exchange(cert: Path, key: Path) -> dict[str, Any]:
                 server.receive_datagram(data, CLIENT, now=now)
                 moved = True
             for data, _ in server.datagrams_to_send(now=now):
+                sizes.append(len(data))
                 client.receive_datagram(data, SERVER, now=now)
                 moved = True
             while (event := client.next_event()) is not None:
@@ -79,7 +87,8 @@ def _exchange(cert: Path, key: Path) -> dict[str, Any]:
     for token in range(40):
         for n, sid in enumerate(sids):
             if (token + n) % 3 == 0:
-                server.send_stream_data(sid, b"token %d of stream %d;" % (token, sid))
+                # a chunk the size of an OpenAI SSE event: a round fills several packets
+                server.send_stream_data(sid, b"token %d of stream %d;" % (token, sid) + b"x" * TOKEN)
         pump()
     uploaded_while_busy = uploaded.get(upload, 0)  # before the streams end, with 60 open
     server.reset_stream(sids[7], 0x10C)
@@ -92,7 +101,13 @@ def _exchange(cert: Path, key: Path) -> dict[str, Any]:
         "resets": resets,
         "uploaded": uploaded_while_busy,
         "open": sorted(server._streams),
+        "datagrams": len(sizes),
+        "bytes_sent": sum(sizes),
     }
+
+
+def _packing(run: dict[str, Any]) -> tuple[int, int]:
+    return run.pop("datagrams"), run.pop("bytes_sent")
 
 
 def test_the_patched_aioquic_delivers_what_aioquic_does(
@@ -106,6 +121,11 @@ def test_the_patched_aioquic_delivers_what_aioquic_does(
     assert QuicConnection._write_application is h3_aioquic._write_application
     ours = _exchange(cert, key)
 
+    # as many datagrams, as full: packets filled as aioquic fills them (a few bytes move from run
+    # to run, aioquic's own runs included: the handshake's and the ACKs' sizes)
+    (datagrams, sent), (their_datagrams, their_sent) = _packing(ours), _packing(theirs)
+    assert abs(datagrams - their_datagrams) <= their_datagrams // 100
+    assert abs(sent - their_sent) <= their_sent // 1000
     assert ours == theirs
     assert len(ours["received"]) == STREAMS
     ended = [data.endswith(b"[DONE]") for sid, data in ours["received"].items() if sid not in ours["resets"]]
@@ -114,3 +134,45 @@ def test_the_patched_aioquic_delivers_what_aioquic_does(
     assert ours["uploaded"] == UPLOAD  # MAX_STREAM_DATA went out among idle streams
     # finished streams were discarded: left are the upload and the reset one (its request FIN came)
     assert len(ours["open"]) <= 2
+
+
+def _sent_in_a_tight_window(cert: Path, key: Path, slack: int) -> int:
+    """The datagrams a server sends for 12 streams' data when its congestion window has ``slack``
+    bytes left: too few for one more packet, for a packet with no room for a frame, or for some."""
+    now = 1000.0
+    client, server = _pair(cert, key)
+    client.connect(SERVER, now=now)
+    sids = []
+    for _ in range(12):
+        sids.append(client.get_next_available_stream_id())
+        client.send_stream_data(sids[-1], b"request", end_stream=True)
+    for _ in range(10):  # the handshake, then the requests
+        now += 0.001
+        for data, _ in client.datagrams_to_send(now=now):
+            server.receive_datagram(data, CLIENT, now=now)
+        for data, _ in server.datagrams_to_send(now=now):
+            client.receive_datagram(data, SERVER, now=now)
+    for sid in sids:
+        server.send_stream_data(sid, b"x" * TOKEN)
+    congestion = server._loss._cc
+    congestion.congestion_window = congestion.bytes_in_flight + slack
+    server._loss._pacer.packet_time = None  # no pacing: the window alone decides
+    return len(server.datagrams_to_send(now=now))
+
+
+@pytest.mark.timeout(30)
+def test_a_congestion_window_with_no_room_for_a_frame_ends_the_transmit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packet-full stop never ends an empty packet: a fresh packet the window leaves no room in
+    must end the transmit, as in aioquic, not start the packet again forever."""
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setattr(QuicStreamSender, "get_frame", h3_aioquic._aioquic_get_frame)
+    monkeypatch.setattr(QuicConnection, "_write_application", h3_aioquic._aioquic_write_application)
+    monkeypatch.setattr(QuicConnection, "_write_stream_frame", h3_aioquic._aioquic_write_stream_frame)
+    slacks = range(0, 2600, 11)
+    theirs = [_sent_in_a_tight_window(cert, key, slack) for slack in slacks]
+    h3_aioquic.apply()
+    ours = [_sent_in_a_tight_window(cert, key, slack) for slack in slacks]
+    assert ours == theirs
+    assert theirs[0] == 0 and theirs[-1] >= 3  # the window ran from no packet to several
