@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from transports.hangups import Pairing
+from transports.light_event import LightEvent
 
 logger = logging.getLogger("sluicegate.relay")
 
@@ -39,6 +40,16 @@ class PromptH1Protocol(HttpToolsProtocol):
     request to its end, instead of one per request."""
 
     hangup_pairing: Pairing | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvicorn's write flow control waits on an asyncio.Event only while the client's socket is
+        # over its high-water mark; the same contract without a deque held for the connection's life
+        flow = self.flow
+        writable = LightEvent()
+        if flow._is_writable_event.is_set():
+            writable.set()
+        flow._is_writable_event = writable  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         pairing = self.hangup_pairing
@@ -54,8 +65,11 @@ class PromptH1Protocol(HttpToolsProtocol):
             cycle.message_event.set()
 
 
-class _Tripwire(asyncio.Event):
-    """uvicorn's per-request message event, which also calls ``on_gone`` when the client is lost."""
+class _Tripwire(LightEvent):
+    """uvicorn's per-request message event, which also calls ``on_gone`` when the client is lost.
+    A ``LightEvent``: it lives as long as the stream, and only a request body's reader waits on it."""
+
+    __slots__ = ("_cycle", "_on_gone")
 
     def __init__(self, cycle: Any, on_gone: Callable[[], None]) -> None:
         super().__init__()
@@ -101,7 +115,7 @@ def trip_on_disconnect(
         return watch(on_gone) if watch is not None else None
     wire = _Tripwire(cycle, on_gone)
     if event.is_set():
-        asyncio.Event.set(wire)
+        LightEvent.set(wire)
     cycle.message_event = wire
     if cycle.disconnected:
         wire.set()
