@@ -68,7 +68,7 @@ class PodResponse:
         self._conn = conn
         self.status = 0
         self.headers: dict[str, str] = {}
-        self._chunks: collections.deque[bytes] = collections.deque()
+        self._chunks: collections.deque[bytes] | tuple[()] = collections.deque()  # () once spliced
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._error: BaseException | None = None
@@ -166,9 +166,12 @@ class PodResponse:
         return b"".join(parts)[:limit]
 
     def splice(self, writer: Sink) -> None:
-        """From now on every body chunk goes straight to ``writer``; queued ones first."""
-        while self._chunks:
-            writer(self._chunks.popleft())
+        """From now on every body chunk goes straight to ``writer``; queued ones first. The queue
+        goes too (an empty deque keeps a 64-slot block, held for as long as the stream runs)."""
+        chunks = self._chunks
+        while chunks:
+            writer(chunks.popleft())
+        self._chunks = ()
         self.sink = writer
 
     def unsplice(self) -> None:
@@ -176,6 +179,8 @@ class PodResponse:
         usually holds this response (to pause it), so keeping it would make every stream a cycle
         that only the garbage collector frees."""
         self.sink = None
+        if not self._chunks:
+            self._chunks = collections.deque()
 
     def pause_reading(self) -> None:
         self._conn.pause_reading()
