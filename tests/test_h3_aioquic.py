@@ -136,14 +136,17 @@ def test_the_patched_aioquic_delivers_what_aioquic_does(
     assert len(ours["open"]) <= 2
 
 
-def _sent_in_a_tight_window(cert: Path, key: Path, slack: int) -> int:
-    """The datagrams a server sends for 12 streams' data when its congestion window has ``slack``
-    bytes left: too few for one more packet, for a packet with no room for a frame, or for some."""
+def _one_transmit(
+    cert: Path, key: Path, *, streams: int, chunks: int, slack: int | None = None, paced: int | None = None
+) -> tuple[list[int], QuicConnection]:
+    """The sizes of the datagrams one ``datagrams_to_send`` gives for ``chunks`` SSE-sized chunks on
+    each of ``streams`` streams, with the congestion window leaving ``slack`` bytes (pacing off)
+    or the pacer letting ``paced`` packets go (window open); and the server connection."""
     now = 1000.0
     client, server = _pair(cert, key)
     client.connect(SERVER, now=now)
     sids = []
-    for _ in range(12):
+    for _ in range(streams):
         sids.append(client.get_next_available_stream_id())
         client.send_stream_data(sids[-1], b"request", end_stream=True)
     for _ in range(10):  # the handshake, then the requests
@@ -153,11 +156,17 @@ def _sent_in_a_tight_window(cert: Path, key: Path, slack: int) -> int:
         for data, _ in server.datagrams_to_send(now=now):
             client.receive_datagram(data, SERVER, now=now)
     for sid in sids:
-        server.send_stream_data(sid, b"x" * TOKEN)
-    congestion = server._loss._cc
-    congestion.congestion_window = congestion.bytes_in_flight + slack
-    server._loss._pacer.packet_time = None  # no pacing: the window alone decides
-    return len(server.datagrams_to_send(now=now))
+        server.send_stream_data(sid, b"x" * TOKEN * chunks)
+    congestion, pacer = server._loss._cc, server._loss._pacer
+    if slack is not None:
+        congestion.congestion_window = congestion.bytes_in_flight + slack
+        pacer.packet_time = None  # no pacing: the window alone decides
+    if paced is not None:
+        congestion.congestion_window = congestion.bytes_in_flight + 1_000_000
+        pacer.packet_time = 0.001
+        pacer.bucket_max = pacer.bucket_time = paced * pacer.packet_time
+        pacer.evaluation_time = now
+    return [len(data) for data, _ in server.datagrams_to_send(now=now)], server
 
 
 @pytest.mark.timeout(30)
@@ -171,8 +180,26 @@ def test_a_congestion_window_with_no_room_for_a_frame_ends_the_transmit(
     monkeypatch.setattr(QuicConnection, "_write_application", h3_aioquic._aioquic_write_application)
     monkeypatch.setattr(QuicConnection, "_write_stream_frame", h3_aioquic._aioquic_write_stream_frame)
     slacks = range(0, 2600, 11)
-    theirs = [_sent_in_a_tight_window(cert, key, slack) for slack in slacks]
+    theirs = [len(_one_transmit(cert, key, streams=12, chunks=1, slack=slack)[0]) for slack in slacks]
     h3_aioquic.apply()
-    ours = [_sent_in_a_tight_window(cert, key, slack) for slack in slacks]
+    ours = [len(_one_transmit(cert, key, streams=12, chunks=1, slack=slack)[0]) for slack in slacks]
     assert ours == theirs
     assert theirs[0] == 0 and theirs[-1] >= 3  # the window ran from no packet to several
+
+
+def test_a_paced_transmit_sends_as_many_packets_as_full_as_aioquic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packet the stop ends counts against the pacer as one aioquic's own loop ends does: the
+    pacer's five packets go, as full, and not the whole window at once."""
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setattr(QuicStreamSender, "get_frame", h3_aioquic._aioquic_get_frame)
+    monkeypatch.setattr(QuicConnection, "_write_application", h3_aioquic._aioquic_write_application)
+    monkeypatch.setattr(QuicConnection, "_write_stream_frame", h3_aioquic._aioquic_write_stream_frame)
+    theirs, _ = _one_transmit(cert, key, streams=40, chunks=3, paced=5)
+    h3_aioquic.apply()
+    ours, server = _one_transmit(cert, key, streams=40, chunks=3, paced=5)
+    assert ours == theirs
+    assert len(theirs) == 5 and len(set(theirs)) == 1  # five packets, each filled to the same size
+    # the stop is armed only inside the patched call: outside it a full packet must not raise
+    assert server._stop_when_full is False

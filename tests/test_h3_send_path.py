@@ -114,3 +114,30 @@ def test_a_quic_logger_keeps_aioquic_s_way(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     taken, _ = _answer(_Pair(cert, key, logger=QuicLogger()), short_way=True)
     assert not any(taken)
+
+
+def _after_a_reset(pair: _Pair, write: Any) -> str:
+    """Reset a response past its HEADERS, as the gateway's abort does (QUIC only: HTTP/3 is not
+    told), let the client acknowledge it, then write a token: the error raised."""
+    sid = pair.request()
+    pair.h3_server.send_headers(sid, [(b":status", b"200")])
+    pair.pump()
+    pair.server.reset_stream(sid, 0x10C)
+    pair.pump()
+    assert sid not in pair.server._streams  # acknowledged and discarded; HTTP/3 still past HEADERS
+    try:
+        write(sid, b"data: late\n\n")
+    except Exception as exc:  # what each raises is the comparison
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_reset_and_discarded_stream_fails_as_aioquic_fails(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    theirs_pair, ours_pair = _Pair(cert, key), _Pair(cert, key)
+    theirs = _after_a_reset(theirs_pair, lambda sid, data: theirs_pair.h3_server.send_data(sid, data, False))
+    ours = _after_a_reset(
+        ours_pair, lambda sid, data: write_data(ours_pair.h3_server, ours_pair.server, sid, data, False)
+    )
+    assert ours == theirs
+    assert theirs.startswith("ValueError")  # one of h3_server's _SEND_ERRORS: the stream is lost

@@ -46,10 +46,12 @@ class PromptH1Protocol(HttpToolsProtocol):
         # uvicorn's write flow control waits on an asyncio.Event only while the client's socket is
         # over its high-water mark; the same contract without a deque held for the connection's life
         flow = self.flow
-        writable = LightEvent()
-        if flow._is_writable_event.is_set():
-            writable.set()
-        flow._is_writable_event = writable  # type: ignore[assignment]
+        event = getattr(flow, "_is_writable_event", None)
+        if type(event) is asyncio.Event:  # uvicorn's FlowControl as we know it; else left alone
+            writable = LightEvent()
+            if event.is_set():
+                writable.set()
+            flow._is_writable_event = writable  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         pairing = self.hangup_pairing

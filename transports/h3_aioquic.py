@@ -20,11 +20,14 @@ aioquic spent most of the gateway's CPU not on packets but on looking for someth
   full the rest of the walk finds no room (``_write_stream_frame``), so a transmit of P packets for
   N streams' tokens made ~N x P calls where ~N write (100,109 calls for 10,050 tokens, 50 streams,
   12 packets a transmit). ``_write_stream_frame`` now ends a full packet, and ``_write_application``
-  calls aioquic's loop again for the next one, as its own loop would have gone on.
+  calls aioquic's loop again for the next one, as its own loop would have gone on. One difference:
+  a RESET_STREAM or STOP_SENDING due on a stream behind a full packet made aioquic end the whole
+  transmit (its frame did not fit: ``QuicPacketBuilderStop``); it now goes in the next packet, and
+  the transmit goes on. Finished streams behind a full packet are discarded a packet later.
 
 All three are checked by tests/test_h3_aioquic.py against aioquic's own behaviour: the same bytes
-delivered on every stream, as many datagrams as full, and the same datagrams when the congestion
-window leaves no room.
+delivered on every stream, as many datagrams as full, the same datagrams when the congestion window
+leaves no room, and as many packets, as full, when the pacer lets five go.
 """
 
 from __future__ import annotations
@@ -60,9 +63,7 @@ class _PacketFull(Exception):
 _MIN_STREAM_FRAME = 5
 
 
-def _write_stream_frame(
-    self: QuicConnection, builder: QuicPacketBuilder, space: Any, stream: QuicStream, max_offset: int
-) -> int:
+def _write_stream_frame(self: QuicConnection, builder: QuicPacketBuilder, *args: Any, **kwargs: Any) -> int:
     """aioquic's, but during ``_write_application`` below it ends a packet that is full.
 
     aioquic's packet loop offers every stream with data to every packet: once a packet is full
@@ -73,7 +74,7 @@ def _write_stream_frame(
     full = builder.remaining_flight_space < _MIN_STREAM_FRAME
     if full and self._stop_when_full and not builder.packet_is_empty:
         raise _PacketFull
-    return _aioquic_write_stream_frame(self, builder, space, stream, max_offset)
+    return _aioquic_write_stream_frame(self, builder, *args, **kwargs)
 
 
 def _owes_limits(stream: QuicStream) -> bool:
@@ -130,7 +131,7 @@ def _write_application(
 
 
 def apply() -> None:
-    """Install both (idempotent; process-wide, which a gateway process wants)."""
+    """Install the three (idempotent; process-wide, which a gateway process wants)."""
     QuicStreamSender.get_frame = _get_frame  # type: ignore[method-assign]
     QuicConnection._write_application = _write_application  # type: ignore[method-assign]
     QuicConnection._write_stream_frame = _write_stream_frame  # type: ignore[method-assign]
