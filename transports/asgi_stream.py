@@ -61,7 +61,8 @@ ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 _BAD_NAME = re.compile(rb"[^a-z0-9!#$%&'*+\-.^_`|~]")  # after lower-casing; RFC 9110 token
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")  # RFC 9113 section 8.2.1, RFC 9114 section 4.2
 _TOKEN_BYTES = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz"  # what _BAD_NAME lets through
-_VALUE_BYTES = bytes(b for b in range(256) if b not in b"\x00\r\n")  # what _BAD_VALUE lets through
+# what _BAD_VALUE lets through: RFC 9113 8.2.1 field value bytes (h2_patches checks received ones)
+FIELD_VALUE_BYTES = bytes(b for b in range(256) if b not in b"\x00\r\n")
 _SPACE = b" \t"
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
 
@@ -84,7 +85,7 @@ def response_headers(message: dict[str, Any]) -> Headers:
         if name not in _HOP_BY_HOP:
             headers.append((name, value.strip(_SPACE)))
     names_ok = not b"".join(names).translate(None, _TOKEN_BYTES) and b"" not in names
-    if names_ok and not b"".join(values).translate(None, _VALUE_BYTES):
+    if names_ok and not b"".join(values).translate(None, FIELD_VALUE_BYTES):
         return headers
     return _checked_headers(message)
 

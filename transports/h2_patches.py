@@ -31,6 +31,8 @@ import hpack.hpack
 import hpack.table
 from hpack.huffman_table import decode_huffman
 
+from transports.asgi_stream import FIELD_VALUE_BYTES
+
 CACHE_ENTRIES = 512  # distinct literals remembered at most (emptied when full: a flood gains nothing)
 CACHE_LITERAL_BYTES = 256  # longer coded literals are decoded every time
 _decoded: dict[bytes, bytes] = {}
@@ -58,9 +60,8 @@ class _QuietDebug(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 _h2_reject_illegal_characters = h2.utilities._reject_illegal_characters
 # RFC 9113 8.2.1: a name is visible ASCII but upper case (a colon only first: checked apart); a value
-# has no NUL, LF or CR (nor space or tab at its ends: checked apart).
+# has no NUL, LF or CR (``FIELD_VALUE_BYTES``; nor space or tab at its ends: checked apart).
 _NAME_BYTES = bytes(b for b in range(0x21, 0x7F) if not 0x41 <= b <= 0x5A)
-_VALUE_BYTES = bytes(b for b in range(256) if b not in (0x00, 0x0A, 0x0D))
 _SPACES = (0x20, 0x09)
 
 
@@ -80,7 +81,7 @@ def _plain(name: Any, value: Any) -> bool:
     if name.translate(None, _NAME_BYTES) or name.find(b":", 1) != -1:
         return False
     return not value or (
-        not value.translate(None, _VALUE_BYTES) and value[0] not in _SPACES and value[-1] not in _SPACES
+        not value.translate(None, FIELD_VALUE_BYTES) and value[0] not in _SPACES and value[-1] not in _SPACES
     )
 
 

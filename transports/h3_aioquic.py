@@ -71,8 +71,8 @@ def _write_stream_frame(self: QuicConnection, builder: QuicPacketBuilder, *args:
     for N streams made N x P calls where ~N write. An empty packet is never ended this way (the
     congestion window may leave no room in a fresh one; aioquic's own loop then stops), so every
     raise follows a packet that goes out, and the loop below makes progress."""
-    full = builder.remaining_flight_space < _MIN_STREAM_FRAME
-    if full and self._stop_when_full and not builder.packet_is_empty:
+    stop = self._stop_when_full  # first: most calls (clients, small connections) end the test here
+    if stop and builder.remaining_flight_space < _MIN_STREAM_FRAME and not builder.packet_is_empty:
         raise _PacketFull
     return _aioquic_write_stream_frame(self, builder, *args, **kwargs)
 
