@@ -48,12 +48,12 @@ import h2.settings
 from h2.connection import ConnectionState
 from h2.errors import ErrorCodes
 from h2.stream import StreamState
-from hpack import Encoder, NeverIndexedHeaderTuple
 
 from transports import h2_patches
 from transports.asgi_stream import AsgiStream, Headers, peer_address, request_scope, start_task
 from transports.h1_limits import error_json
 from transports.h2_guard import FloodGuard, H2Limits
+from transports.hpack_stateless import StatelessEncoder
 from transports.stream_starts import stream_starts
 
 logger = logging.getLogger("sluicegate.transports")
@@ -62,30 +62,11 @@ h2_patches.apply()  # hpack's Huffman decoding remembered, its debug logging off
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FLUSH_AT = 64 * 1024  # write at once, not at the end of the loop turn, past this many unwritten bytes
 READ_SLICE = 16 * 1024  # bytes handed to h2 at a time (see ``data_received``)
-# Response headers whose values differ from one response to the next (ids, counters, lengths) are
-# kept out of HPACK's dynamic table: indexed, they would fill it with entries never used again, and
-# the encoder searches the whole table for every header it sends (~40 % of a short request's HPACK
-# time with the gateway's rate-limit headers). What repeats (content-type, server, ...) is indexed.
-PER_RESPONSE = frozenset({
-    b"x-request-id", b"content-length", b"retry-after", b"traceparent",
-    b"x-ratelimit-remaining-requests", b"x-ratelimit-remaining-tokens",
-    b"x-ratelimit-reset-requests", b"x-ratelimit-reset-tokens",
-})
 LINGER_S = 1.0  # after a GOAWAY for an error: how long what the client still sends is read and dropped
 _DEFAULT_WINDOW = 65_535
 _DATA_FRAME_HEADER = struct.Struct(">HBBBL")  # 24-bit length (16 + 8), type 0 (DATA), flags 0, stream
 _SENDABLE = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE)
 _SERVER_OPEN = ConnectionState.SERVER_OPEN
-
-
-
-class PlainEncoder(Encoder):
-    """HPACK without Huffman coding of literal values: hpack codes them byte by byte in Python,
-    ~3 µs a value, to save ~25 % of their bytes; the headers that repeat are sent as table indexes
-    either way (RFC 7541 allows either form; nghttp2 and Go choose by length)."""
-
-    def encode(self, headers: Any, huffman: bool = False) -> bytes:
-        return super().encode(headers, huffman=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +121,7 @@ class H2Protocol(asyncio.Protocol):
                 validate_outbound_headers=False, normalize_outbound_headers=False,
             )
         )
-        self.h2.encoder = PlainEncoder()
+        self.h2.encoder = StatelessEncoder()  # no dynamic table, no Huffman: see its module
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, AsgiStream] = {}
         self.scheme = "http"
@@ -389,7 +370,6 @@ class H2Protocol(asyncio.Protocol):
 
     def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
         headers.extend(self.server_state.default_headers)
-        headers = [(n, v) if n not in PER_RESPONSE else NeverIndexedHeaderTuple(n, v) for n, v in headers]
         try:
             self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError) as exc:
