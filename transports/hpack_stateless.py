@@ -26,8 +26,6 @@ from hpack.hpack import encode_integer
 from hpack.table import HeaderTable
 
 CACHE_ENTRIES = 1024  # distinct fields remembered at most (emptied when full: ids and counters churn it)
-_WITHOUT_INDEXING = 0x00
-_NEVER_INDEXED = 0x10
 _fields: dict[tuple[Any, ...], bytes] = {}  # a field as given (2- or 3-tuple) -> its bytes
 _static_field: dict[tuple[bytes, bytes], int] = {}
 _static_name: dict[bytes, int] = {}
@@ -41,16 +39,30 @@ def encode_field(name: bytes, value: bytes, never_indexed: bool = False) -> byte
     if not never_indexed:
         index = _static_field.get((name, value))
         if index is not None:
-            return bytes((0x80 | index,))  # indexed (6.1); the static table's 61 fit in 7 bits
-    first = _NEVER_INDEXED if never_indexed else _WITHOUT_INDEXING
+            return _INDEXED[index]
     index = _static_name.get(name, 0)
+    head = (_NEVER_INDEXED if never_indexed else _WITHOUT_INDEXING)[index]
+    if index:
+        return b"".join((head, _length(len(value)), value))
+    return b"".join((head, _length(len(name)), name, _length(len(value)), value))
+
+
+def _length(n: int) -> bytes:
+    """A string's length, its Huffman bit clear (RFC 7541 5.2): one byte below 127."""
+    return _SHORT[n] if n < 127 else bytes(encode_integer(n, 7))
+
+
+def _prefixed(index: int, flags: int) -> bytes:
+    """A literal's first bytes: ``flags`` and the name's static index in a 4-bit prefix (6.2.2, 6.2.3)."""
     prefix = encode_integer(index, 4)
-    prefix[0] |= first
-    parts = [bytes(prefix)]
-    if not index:
-        parts += (bytes(encode_integer(len(name), 7)), name)
-    parts += (bytes(encode_integer(len(value), 7)), value)
-    return b"".join(parts)
+    prefix[0] |= flags
+    return bytes(prefix)
+
+
+_SHORT = [bytes((n,)) for n in range(127)]
+_INDEXED = [bytes((0x80 | index,)) for index in range(len(HeaderTable.STATIC_TABLE) + 1)]  # 6.1, 7 bits
+_WITHOUT_INDEXING = [_prefixed(index, 0x00) for index in range(len(HeaderTable.STATIC_TABLE) + 1)]
+_NEVER_INDEXED = [_prefixed(index, 0x10) for index in range(len(HeaderTable.STATIC_TABLE) + 1)]
 
 
 class StatelessEncoder(Encoder):
