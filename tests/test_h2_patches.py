@@ -9,8 +9,9 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.exceptions
+import h2.stream
 import pytest
-from hpack import Decoder, Encoder
+from hpack import Decoder, Encoder, HeaderTuple, NeverIndexedHeaderTuple
 from hpack.exceptions import HPACKDecodingError
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
@@ -100,3 +101,31 @@ def test_an_h2_server_still_refuses_a_request_header_with_a_newline() -> None:
                             ("x-bad", "a\nb")], end_stream=True)
     with pytest.raises(h2.exceptions.ProtocolError, match="Illegal character"):
         server.receive_data(client.data_to_send())
+
+
+# -- h2's rebuilding of response headers ---------------------------------------------------------
+
+_FIELD_PART = st.sampled_from([b"x-a", b"", "x-b", "caf\u00e9", 7, b"v\xff"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(headers=st.lists(st.one_of(
+    st.tuples(_FIELD_PART, _FIELD_PART),
+    st.tuples(_FIELD_PART, _FIELD_PART, st.booleans()),
+    st.builds(HeaderTuple, _FIELD_PART, _FIELD_PART),
+    st.builds(NeverIndexedHeaderTuple, _FIELD_PART, _FIELD_PART),
+), max_size=6))
+def test_response_headers_are_taken_as_h2_takes_them(headers: list[Any]) -> None:
+    def rebuilt(rebuild: Any) -> Any:
+        try:
+            out = rebuild(iter(headers))
+        except Exception as exc:  # h2 refuses a field that is neither bytes nor text
+            return type(exc)
+        return out, [type(h) for h in out]  # never-indexed stays never-indexed
+
+    assert rebuilt(h2_patches.utf8_encode_headers) == rebuilt(h2_patches._h2_utf8_encode_headers)
+
+
+def test_it_is_what_h2_calls_once_applied() -> None:
+    h2_patches.apply()
+    assert h2.stream.utf8_encode_headers is h2_patches.utf8_encode_headers

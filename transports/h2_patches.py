@@ -1,7 +1,7 @@
 """Patches the gateway carries for h2 4.x and hpack 4.x, its header compression.
 
 cProfile of one HTTP/2 request (h2load, every feature on; ``docs/benchmarks.md``) put h2 and hpack
-at ~460 of its ~1700 Python calls; three things there cost far more than the work they do:
+at ~460 of its ~1700 Python calls; four things there cost far more than the work they do:
 
 - **Huffman decoding, remembered.** hpack decodes a Huffman-coded literal in Python, one table step
   per nibble: its most expensive function, three calls a request. Clients send the same literals
@@ -16,9 +16,12 @@ at ~460 of its ~1700 Python calls; three things there cost far more than the wor
   some bytes in field names and values; h2 tests each byte of every request header in a Python
   loop. Here a header whose name and value pass one ``bytes.translate`` each goes through at once;
   any other goes through h2's own check, which raises its own error.
+- **h2's rebuilding of response headers.** Before encoding, h2 rebuilds every header tuple with
+  two conversion calls a field; headers that are already 2-tuples of bytes (the gateway's) are
+  kept as they are.
 
-``apply()`` installs all three, once (``transports.h2_server`` calls it at import); results are hpack's
-own, exactly (tests/test_h2_patches.py).
+``apply()`` installs all four, once (``transports.h2_server`` calls it at import); results are h2's
+and hpack's own, exactly (tests/test_h2_patches.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import h2.stream
 import h2.utilities
 import hpack.hpack
 import hpack.table
@@ -85,10 +89,28 @@ def _plain(name: Any, value: Any) -> bool:
     )
 
 
+_h2_utf8_encode_headers = h2.utilities.utf8_encode_headers
+
+
+def utf8_encode_headers(headers: Any) -> list[Any]:
+    """``h2.utilities.utf8_encode_headers`` as ``h2.stream`` calls it for every HEADERS sent: headers
+    that are already 2-tuples of bytes come back as they are, in a list (h2 rebuilds each tuple with
+    two calls a field); anything else goes through h2's own."""
+    headers = list(headers)
+    for header in headers:
+        if type(header) is not tuple or len(header) != 2:
+            return _h2_utf8_encode_headers(headers)
+        name, value = header
+        if type(name) is not bytes or type(value) is not bytes:
+            return _h2_utf8_encode_headers(headers)
+    return headers
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
     hpack.hpack.decode_huffman = decode_huffman_remembered
     h2.utilities._reject_illegal_characters = reject_illegal_characters
+    h2.stream.utf8_encode_headers = utf8_encode_headers
     for module in (hpack.hpack, hpack.table):
         if not isinstance(module.log, _QuietDebug):
             module.log = _QuietDebug(module.log, {})
