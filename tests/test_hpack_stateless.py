@@ -1,7 +1,7 @@
 """The gateway's HPACK encoder for responses (``transports.hpack_stateless``): what hpack's own
-decoder (and nghttp2's, through curl and h2load in the HTTP/2 tests) reads back is what was
-encoded, the decoder's dynamic table stays empty, and what RFC 7541 asks of an encoder that
-indexes nothing still holds: table-size updates and never-indexed fields."""
+decoder reads back is what was encoded (nghttp2's decodes it too: curl in the HTTP/2 tests, h2load
+in ``make bench``), the decoder's dynamic table stays empty, and what RFC 7541 asks of an encoder
+that indexes nothing still holds: table-size updates and never-indexed fields."""
 
 from __future__ import annotations
 
