@@ -62,6 +62,7 @@ class Exchange:
         "started",
         "status",
         "t0",
+        "task",
         "tier",
         "tokens_relayed",
         "transport",
@@ -73,14 +74,19 @@ class Exchange:
         "watch",
     )
 
-    def __init__(self, route: str, rid: str, send: Send, transport: str = "h1") -> None:
+    def __init__(
+        self, route: str, rid: str, send: Send, transport: str = "h1", task: asyncio.Task[Any] | None = None
+    ) -> None:
+        task = task or asyncio.current_task()
+        assert task is not None
+        self.task = task  # the request's task: what its deadlines cancel (``transports.deadline``)
         self.route = route
         self.transport = transport
         self.alt_svc: bytes | None = None  # the Alt-Svc value to send, over TCP when HTTP/3 is offered
         self.rid = rid
         self.send = send
         self.started = time.perf_counter()
-        self.t0 = asyncio.get_running_loop().time()  # deadlines are on the loop's clock
+        self.t0 = task.get_loop().time()  # deadlines are on the loop's clock
         self.budget: Budget | None = None
         self.tier: str | None = None
         self.criticality = "standard"

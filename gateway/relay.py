@@ -48,6 +48,7 @@ from gateway.phases.path import RequestPath
 from gateway.pods.registry import PodRegistry
 from gateway.quota import Quotas
 from gateway.request_head import RequestHead
+from transports.deadline import Deadline
 from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
 
@@ -174,7 +175,9 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         path = self.path  # one config's phases for the whole request, whatever a reload swaps in
         head = path.heads.read(scope["headers"])
-        ex = Exchange(route, request_id(head.request_id), send, transport_of(scope))
+        task = asyncio.current_task()
+        assert task is not None
+        ex = Exchange(route, request_id(head.request_id), send, transport_of(scope), task)
         if self.tracer is not None:
             ex.span = self.tracer.start(ex, head, scope)
         if ex.transport != "h3":
@@ -185,8 +188,6 @@ class Relay:
         if path.log_access:
             peer = scope.get("client")
             ex.client = path.clients.of(peer[0] if peer else None, head.forwarded_for)
-        task = asyncio.current_task()
-        assert task is not None
         self._active[ex] = task
         self._idle.clear()
         try:
@@ -260,7 +261,7 @@ class Relay:
         # enforces it (and an idle one) itself; this bounds an HTTP/2 or HTTP/3 body that trickles.
         seconds = self.config.server.limits.body_timeout_s
         try:
-            async with asyncio.timeout(seconds):
+            with Deadline(ex.task, ex.t0 + seconds):
                 body = await read_body(receive, head.content_length, max_body)
         except TimeoutError:
             raise GatewayError(

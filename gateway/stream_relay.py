@@ -39,6 +39,7 @@ from gateway.retries import Retryable
 from gateway.usage import UsageTap, content_events, tokens_of, trailing_reads, wants_usage
 from transports import sse
 from transports.client_socket import ClientSocket, SpliceTarget, client_socket, start_response
+from transports.deadline import Deadline
 from transports.pod_client import PodBrokenError, PodLineTooLong, PodResponse, PodStalledError, StallWatch
 
 _SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
@@ -198,7 +199,7 @@ class StreamRelay:
         stall = StallWatch(resp, ex.budget.stall_s)
         reads = resp.chunks  # those of the head, already counted
         try:
-            async with asyncio.timeout_at(ex.deadline):
+            with Deadline(ex.task, ex.deadline):
                 if socket is not None:
                     resp.splice(_sink(socket.writer(resp), resp, recorder, finish, tap))
                     await resp.done
@@ -296,7 +297,7 @@ class StreamRelay:
             if previous is None and wants_usage(req.payload):  # the client's prompt, counted meanwhile
                 counting = asyncio.ensure_future(self._prompt_tokens(ex, req, pod))
             try:
-                async with asyncio.timeout_at(min(loop.time() + ex.budget.first_token_s, ex.deadline)):
+                with Deadline(ex.task, min(loop.time() + ex.budget.first_token_s, ex.deadline)):
                     resp = await self._connect(ex, cont, pod, ex.headers)
                     assert ex.watch is not None
                     ex.watch.upstream = resp

@@ -7,7 +7,6 @@ tier's pod was slow) gets the whole answer re-sent as an SSE stream (``gateway/d
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from gateway.degrade import as_sse
@@ -17,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import reason
 from gateway.pods.registry import Pod
 from gateway.usage import whole_answer_usage
+from transports.deadline import Deadline
 from transports.pod_client import PodBrokenError, PodResponse
 
 
@@ -25,7 +25,7 @@ async def relay_whole(
 ) -> None:
     """Read the pod's whole answer and send it to the client as one response."""
     try:
-        async with asyncio.timeout_at(ex.deadline):
+        with Deadline(ex.task, ex.deadline):
             body = await resp.read_all()
     except TimeoutError:
         raise ex.timeout("total", metrics) from None

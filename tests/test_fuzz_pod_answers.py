@@ -136,6 +136,7 @@ class _Exchange:
 
     def __init__(self, degraded: bool | None) -> None:
         self.deadline = asyncio.get_running_loop().time() + 60
+        self.task = asyncio.current_task()  # what the deadline would cancel
         self.degraded, self.model_label, self.status = degraded, "m", 0
         self.usage_injected, self.usage, self.route = False, None, "chat"
         self.watch = SimpleNamespace(finished=False)

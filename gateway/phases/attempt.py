@@ -25,6 +25,7 @@ from gateway.pods.registry import Pod, PodRegistry
 from gateway.retries import Retryable, backoff_s
 from gateway.stream_relay import StreamRelay
 from gateway.whole_answer import relay_whole
+from transports.deadline import Deadline
 from transports.hangups import HangupWatcher
 from transports.pod_client import (
     PodBrokenError,
@@ -95,7 +96,7 @@ class Attempt:
     async def serve(self, ex: Exchange, req: InferenceRequest, pod: Pod, receive: Receive) -> None:
         """Attempts on one pod after another while failures are retryable and the client is here."""
         ex.watch = watch = DisconnectWatch(receive, self.hangups)
-        loop = asyncio.get_running_loop()
+        loop = ex.task.get_loop()
         self.pick.retry_budget.record_request(loop.time())
         tried = ex.tried
         try:
@@ -138,14 +139,14 @@ class Attempt:
         gauge = self.metrics.child(self.metrics.in_flight, pod.name)
         gauge.inc()
         resp: PodResponse | None = None
-        now = asyncio.get_running_loop().time()
+        now = ex.task.get_loop().time()
         first_token_at = ex.first_token_at if len(ex.attempts) == 0 else now + ex.budget.first_token_s  # type: ignore[union-attr]
         reported = False  # the outlier breaker hears of every attempt that says something about the pod
         try:
             # connect and await the first token (streaming) or the answer's first byte, in time
             head = b""
             try:
-                async with asyncio.timeout_at(min(first_token_at, ex.deadline)):
+                with Deadline(ex.task, min(first_token_at, ex.deadline)):
                     resp = await self._connect(ex, req, pod, ex.headers)
                     assert ex.watch is not None
                     ex.watch.upstream = resp
