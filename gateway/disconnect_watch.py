@@ -8,7 +8,7 @@ until its natural end.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transports.h1_disconnect import client_transport_of, trip_on_disconnect
 from transports.hangups import HangupWatcher, Pairing
@@ -32,11 +32,13 @@ class DisconnectWatch:
         "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone",
     )
 
-    def __init__(self, receive: Receive, hangups: HangupWatcher | None) -> None:
+    def __init__(
+        self, receive: Receive, hangups: HangupWatcher | None, task: asyncio.Task[Any] | None = None
+    ) -> None:
         self.gone = False
         self.finished = False
         self._upstream: PodResponse | None = None
-        self._task = asyncio.current_task()
+        self._task = task or asyncio.current_task()  # the request's: cancelled when the client leaves
         self._watcher: asyncio.Future[None] | None = None
         self._pairing: Pairing | None = None
         self._own_pairing = False  # ours to unpair at the end, not the client connection's

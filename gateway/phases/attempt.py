@@ -95,7 +95,7 @@ class Attempt:
 
     async def serve(self, ex: Exchange, req: InferenceRequest, pod: Pod, receive: Receive) -> None:
         """Attempts on one pod after another while failures are retryable and the client is here."""
-        ex.watch = watch = DisconnectWatch(receive, self.hangups)
+        ex.watch = watch = DisconnectWatch(receive, self.hangups, ex.task)
         loop = ex.task.get_loop()
         self.pick.retry_budget.record_request(loop.time())
         tried = ex.tried
