@@ -54,6 +54,13 @@ async def _already_past(scope: Scope, loop: asyncio.AbstractEventLoop) -> Any:
     return d.expired()
 
 
+async def _past_at_the_next_step(scope: Scope, loop: asyncio.AbstractEventLoop) -> Any:
+    """Already past when entered: the task's very next step is cancelled, not one loop turn later."""
+    async with scope(loop.time() - 1) as d:
+        await asyncio.sleep(0)
+    return d.expired()
+
+
 async def _cancelled_from_elsewhere(scope: Scope, loop: asyncio.AbstractEventLoop) -> Any:
     task = asyncio.current_task()
     assert task is not None
@@ -117,8 +124,10 @@ async def _entered_while_cancelling(scope: Scope, loop: asyncio.AbstractEventLoo
     return d.expired()
 
 
-CASES = [_in_time, _expires, _already_past, _cancelled_from_elsewhere, _both_in_one_turn, _inner_expires,
-         _outer_expires, _expired_then_other_error, _expiry_swallowed, _entered_while_cancelling]
+CASES = [
+    _in_time, _expires, _already_past, _past_at_the_next_step, _cancelled_from_elsewhere, _both_in_one_turn,
+    _inner_expires, _outer_expires, _expired_then_other_error, _expiry_swallowed, _entered_while_cancelling,
+]
 
 
 def _outcome(case: Callable[[Scope, asyncio.AbstractEventLoop], Awaitable[Any]], scope: Scope) -> Any:
@@ -143,3 +152,17 @@ def _outcome(case: Callable[[Scope, asyncio.AbstractEventLoop], Awaitable[Any]],
 def test_it_ends_as_asyncios_timeout_at_does(case: Any) -> None:
     ours, theirs = _outcome(case, SCOPES["ours"]), _outcome(case, SCOPES["asyncio"])
     assert ours == theirs
+
+
+def test_a_deadline_is_entered_once() -> None:
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = Deadline(task, task.get_loop().time() + 10)
+        with deadline, pytest.raises(RuntimeError, match="entered once"), deadline:
+            pass
+        with pytest.raises(RuntimeError, match="entered once"), deadline:  # nor after it ended
+            pass
+        await asyncio.sleep(0)
+
+    asyncio.run(main())

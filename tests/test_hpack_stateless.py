@@ -37,7 +37,8 @@ def test_what_hpack_decodes_is_what_was_encoded_and_its_table_stays_empty(
     for headers in blocks:
         assert _decode(decoder, encoder.encode(headers)) == headers
         assert len(decoder.header_table.dynamic_entries) == 0  # nothing for the peer to keep
-        assert encoder.encode(headers) == encoder.encode(list(headers))  # remembered: the same bytes
+        fresh = b"".join(encode_field(name, value) for name, value in headers)
+        assert encoder.encode(headers) == fresh  # what is remembered is what a field encodes to
 
 
 def test_each_field_takes_the_shortest_form_the_static_table_allows() -> None:
@@ -73,6 +74,28 @@ def test_a_smaller_table_the_peer_allows_is_signalled_once_at_the_next_block() -
     assert _decode(decoder, block) == [(b":status", b"200")]
     assert decoder.header_table.maxsize == 0
     assert encoder.encode([(b":status", b"200")]) == b"\x88"  # once only
+
+
+def test_a_second_settings_of_the_same_size_still_gets_its_update() -> None:
+    """h2 sets the size for every SETTINGS that carries it: the same value twice must not cancel the
+    update the first one made due (a decoder such as nghttp2's would fail on the block without it)."""
+    encoder = StatelessEncoder()
+    encoder.header_table_size = 0
+    encoder.header_table_size = 0
+    assert encoder.encode([(b":status", b"200")]) == b"\x20\x88"
+
+
+def test_values_that_compare_equal_are_never_confused() -> None:
+    """1, True and 1.0 are equal keys, and a bytes subclass equals its bytes: none is remembered, so
+    none can answer for another (hpack writes each as its text, as here)."""
+    class Tagged(bytes):
+        pass
+
+    encoder = StatelessEncoder()
+    assert Decoder().decode(encoder.encode([("x", 1), ("x", True), ("x", 1.0)])) == [
+        ("x", "1"), ("x", "True"), ("x", "1.0")]
+    encoder.encode([(b"x-a", Tagged(b"v"))])
+    assert Decoder().decode(encoder.encode([(b"x-a", b"v")]), raw=True) == [(b"x-a", b"v")]
 
 
 def test_a_dict_and_text_are_taken_as_hpack_takes_them() -> None:

@@ -10,7 +10,8 @@ entering or leaving a deadline needs to await, so ``Deadline`` does the same in 
 The semantics are 3.11.7's ``Timeout``: at ``when`` the task is cancelled; leaving the block with
 that cancellation (and no other pending on the task since the block was entered) raises
 ``TimeoutError`` from it; a cancellation from elsewhere passes through, even when the deadline
-expired in the same turn. ``tests/test_deadline.py`` runs the same cases through both.
+expired in the same turn; a deadline already past cancels the task's next step; a scope is entered once.
+``tests/test_deadline.py`` runs the same cases through both.
 """
 
 from __future__ import annotations
@@ -24,19 +25,27 @@ _CancelledError = asyncio.CancelledError
 class Deadline:
     """Cancel ``task`` at loop time ``when`` unless the ``with`` block has ended; see module doc."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_task", "_when")
+    __slots__ = ("_cancelling", "_entered", "_expired", "_handle", "_task", "_when")
 
     def __init__(self, task: asyncio.Task[object], when: float) -> None:
         self._task = task
         self._when = when
-        self._handle: asyncio.TimerHandle | None = None
+        self._handle: asyncio.Handle | None = None
         self._expired = False
+        self._entered = False
         self._cancelling = 0
 
     def __enter__(self) -> Deadline:
+        if self._entered:
+            raise RuntimeError("a Deadline is entered once")
+        self._entered = True
         task = self._task
         self._cancelling = task.cancelling()
-        self._handle = task.get_loop().call_at(self._when, self._expire)
+        loop = task.get_loop()
+        if self._when <= loop.time():  # already past: before the task's next step, as asyncio's
+            self._handle = loop.call_soon(self._expire)
+        else:
+            self._handle = loop.call_at(self._when, self._expire)
         return self
 
     def __exit__(

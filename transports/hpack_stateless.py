@@ -26,7 +26,7 @@ from hpack.hpack import encode_integer
 from hpack.table import HeaderTable
 
 CACHE_ENTRIES = 1024  # distinct fields remembered at most (emptied when full: ids and counters churn it)
-_fields: dict[tuple[Any, ...], bytes] = {}  # a field as given (2- or 3-tuple) -> its bytes
+_fields: dict[tuple[bytes, bytes], bytes] = {}  # a (name, value) in bytes -> its field's bytes
 _static_field: dict[tuple[bytes, bytes], int] = {}
 _static_name: dict[bytes, int] = {}
 for _index, (_name, _value) in enumerate(HeaderTable.STATIC_TABLE, start=1):
@@ -73,12 +73,16 @@ class StatelessEncoder(Encoder):
         if isinstance(headers, dict):  # as hpack does: a dict's pseudo-headers first, else in order
             headers = sorted(headers.items(), key=lambda field: not _as_bytes(field[0]).startswith(b":"))
         blocks: list[bytes] = []
-        if self.header_table.resized:
+        if self.table_size_changes:  # not ``resized``: a second SETTINGS of the same size clears that
             blocks.append(self._encode_table_size_change())
             self.header_table.resized = False
         fields = _fields
         for header in headers:
-            if type(header) is not tuple:  # hpack's HeaderTuple: its never-indexed flag is no part of a key
+            # only a plain tuple of bytes is remembered: a HeaderTuple's never-indexed flag is no part
+            # of the key, and values that compare equal (1, True, 1.0; a bytes subclass) encode apart
+            if type(header) is not tuple or len(header) != 2 or type(header[0]) is not bytes or (
+                type(header[1]) is not bytes
+            ):
                 blocks.append(_encode(header))
                 continue
             block = fields.get(header)
