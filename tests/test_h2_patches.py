@@ -10,6 +10,7 @@ import h2.config
 import h2.connection
 import h2.exceptions
 import h2.stream
+import h2.utilities
 import pytest
 from hpack import Decoder, Encoder, HeaderTuple, NeverIndexedHeaderTuple
 from hpack.exceptions import HPACKDecodingError
@@ -126,6 +127,82 @@ def test_response_headers_are_taken_as_h2_takes_them(headers: list[Any]) -> None
     assert rebuilt(h2_patches.utf8_encode_headers) == rebuilt(h2_patches._h2_utf8_encode_headers)
 
 
-def test_it_is_what_h2_calls_once_applied() -> None:
+def test_they_are_what_h2_calls_once_applied() -> None:
     h2_patches.apply()
     assert h2.stream.utf8_encode_headers is h2_patches.utf8_encode_headers
+    assert h2.stream.validate_headers is h2_patches.validate_headers
+
+
+# -- h2's checks of a received request's headers ------------------------------------------------
+
+_ANY_FIELD = st.tuples(
+    st.sampled_from([b":method", b":scheme", b":path", b":authority", b":status", b":protocol", b":custom",
+                     b"host", b"te", b"connection", b"keep-alive", b"cookie", b"x-a", b"X-Up", b"", b"a:b",
+                     b"a b"]),
+    st.sampled_from([b"GET", b"CONNECT", b"http", b"/", b"", b"x", b"y", b"trailers", b"TrailerS", b" pad",
+                     b"a\nb", b"websocket"]),
+)
+_BENIGN_FIELD = st.tuples(st.sampled_from([b"content-type", b"x-a", b"cookie", b"accept", b"user-agent"]),
+                          st.sampled_from([b"x", b"y", b"", b"application/json"]))
+_FIELDS = st.lists(st.one_of(_BENIGN_FIELD, _BENIGN_FIELD, _BENIGN_FIELD, _ANY_FIELD), max_size=4)
+_REQUEST_FLAGS = h2.utilities.HeaderValidationFlags(False, False, False, False)
+_FLAGS = st.one_of(
+    st.just(_REQUEST_FLAGS),
+    st.builds(h2.utilities.HeaderValidationFlags, is_client=st.booleans(), is_trailer=st.booleans(),
+              is_response_header=st.booleans(), is_push_promise=st.booleans()),
+)
+_USUAL = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"x")]
+
+
+def _validated(validate: Any, headers: list[Any], flags: Any) -> Any:
+    try:
+        return list(validate(iter(headers), flags))
+    except h2.exceptions.ProtocolError as exc:
+        return ("refused", str(exc))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(lead=st.one_of(st.just([]), st.lists(_ANY_FIELD, max_size=2)), usual=st.booleans(), rest=_FIELDS,
+       flags=_FLAGS)
+def test_received_blocks_pass_or_fail_as_h2_decides(
+    lead: list[tuple[bytes, bytes]], usual: bool, rest: list[tuple[bytes, bytes]], flags: Any
+) -> None:
+    """Blocks around a usual request (so that many pass), and blocks of anything."""
+    headers = [*lead, *(_USUAL if usual else []), *rest]
+    h2_patches.apply()
+    ours = _validated(h2_patches.validate_headers, headers, flags)
+    assert ours == _validated(h2_patches._h2_validate_headers, headers, flags)
+
+
+_M, _S, _P, _A = _USUAL
+
+
+@pytest.mark.parametrize("headers", [
+    [_M, _S, (b":path", b""), _A],  # an empty :path
+    [*_USUAL, (b"host", b"x"), (b"host", b"x")],  # Host twice
+    [*_USUAL, (b"host", b"y")],  # Host and :authority apart
+    [_M, _S, _P, (b"host", b"x")],  # Host alone: enough
+    [_M, _S, _P],  # neither
+    [*_USUAL, (b"te", b"TrailerS")],  # TE is compared in lower case
+    [*_USUAL, (b"te", b"gzip")],
+    [*_USUAL, (b"connection", b"close")],
+    [_M, (b"x-a", b"1"), _S, _P, _A],  # a pseudo-header after a regular one
+    [(b":method", b"CONNECT"), _A],  # an ordinary CONNECT
+    [(b":method", b"CONNECT"), _S, _P, _A],  # ... with :scheme and :path
+    [(b":method", b"CONNECT"), (b":protocol", b"websocket"), _S, _P, _A],  # extended CONNECT
+    [*_USUAL, (b":protocol", b"websocket")],  # :protocol without CONNECT
+    [*_USUAL, (b":status", b"200")],  # a response's pseudo-header
+    [*_USUAL, (b":path", b"/")],  # twice
+    [*_USUAL, (b"", b"x")],  # an empty name
+    [*_USUAL, (b"cookie", b"a=1"), (b"cookie", b"b=2")],
+])
+def test_each_rule_ends_as_h2s(headers: list[tuple[bytes, bytes]]) -> None:
+    h2_patches.apply()
+    ours = _validated(h2_patches.validate_headers, headers, _REQUEST_FLAGS)
+    assert ours == _validated(h2_patches._h2_validate_headers, headers, _REQUEST_FLAGS)
+
+
+def test_a_usual_request_takes_the_one_loop() -> None:
+    headers = [*_USUAL, (b"content-type", b"application/json"), (b"te", b"trailers")]
+    assert h2_patches._plain_request(headers, _REQUEST_FLAGS)
+    assert h2_patches.validate_headers(iter(headers), _REQUEST_FLAGS) == headers

@@ -1,7 +1,7 @@
 """Patches the gateway carries for h2 4.x and hpack 4.x, its header compression.
 
 cProfile of one HTTP/2 request (h2load, every feature on; ``docs/benchmarks.md``) put h2 and hpack
-at ~460 of its ~1700 Python calls; four things there cost far more than the work they do:
+at ~460 of its ~1700 Python calls; five things there cost far more than the work they do:
 
 - **Huffman decoding, remembered.** hpack decodes a Huffman-coded literal in Python, one table step
   per nibble: its most expensive function, three calls a request. Clients send the same literals
@@ -16,11 +16,13 @@ at ~460 of its ~1700 Python calls; four things there cost far more than the work
   some bytes in field names and values; h2 tests each byte of every request header in a Python
   loop. Here a header whose name and value pass one ``bytes.translate`` each goes through at once;
   any other goes through h2's own check, which raises its own error.
+- **h2's checks of a received request's headers, eight generators deep.** A request block that
+  passes every check is checked in one loop; any other goes through h2's own chain and its error.
 - **h2's rebuilding of response headers.** Before encoding, h2 rebuilds every header tuple with
   two conversion calls a field; headers that are already 2-tuples of bytes (the gateway's) are
   kept as they are.
 
-``apply()`` installs all four, once (``transports.h2_server`` calls it at import); results are h2's
+``apply()`` installs all five, once (``transports.h2_server`` calls it at import); results are h2's
 and hpack's own, exactly (tests/test_h2_patches.py).
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import h2.exceptions
 import h2.stream
 import h2.utilities
 import hpack.hpack
@@ -89,6 +92,64 @@ def _plain(name: Any, value: Any) -> bool:
     )
 
 
+_h2_validate_headers = h2.utilities.validate_headers
+_CONNECTION_HEADERS = h2.utilities.CONNECTION_HEADERS
+_PSEUDO_HEADERS = h2.utilities._ALLOWED_PSEUDO_HEADER_FIELDS
+_check_pseudo_headers = h2.utilities._check_pseudo_header_field_acceptability
+
+
+def validate_headers(headers: Any, flags: Any) -> Any:
+    """``h2.utilities.validate_headers`` for a received block: a request whose every header h2 would
+    pass is checked in one loop and returned as it is; any other block (a response, trailers, or a
+    request with anything h2 could refuse) goes through h2's own chain, which raises its own error.
+    h2's chain is eight generators deep, each a Python frame resumed for every header."""
+    headers = list(headers)
+    if flags.is_response_header or flags.is_trailer or not _plain_request(headers, flags):
+        return _h2_validate_headers(headers, flags)
+    return headers
+
+
+def _plain_request(headers: list[Any], flags: Any) -> bool:
+    """Whether h2's checks would all pass ``headers``, a request's header block (RFC 9113 8.2-8.3):
+    legal characters, no connection-specific field, TE only ``trailers``, pseudo-headers first,
+    known, once each and as a request needs them, a non-empty ``:path``, and ``:authority`` or one
+    ``Host``, equal when both are sent."""
+    seen: set[bytes] = set()
+    regular = False
+    method = authority = host = None
+    for header in headers:
+        name, value = header[0], header[1]
+        if not name or not _plain(name, value):
+            return False
+        if name[0] == 58:  # b":"
+            if regular or name in seen or name not in _PSEUDO_HEADERS:
+                return False
+            seen.add(name)
+            if name == b":method":
+                method = value
+            elif name == b":authority":
+                authority = value
+            elif name == b":path" and not value:
+                return False
+        else:
+            regular = True
+            if name in _CONNECTION_HEADERS or (name == b"te" and value.lower() != b"trailers"):
+                return False
+            if name == b"host":
+                if host is not None:
+                    return False
+                host = value
+    if authority is None and host is None:
+        return False
+    if authority is not None and host is not None and authority != host:
+        return False
+    try:
+        _check_pseudo_headers(seen, method, flags)
+    except h2.exceptions.ProtocolError:
+        return False
+    return True
+
+
 _h2_utf8_encode_headers = h2.utilities.utf8_encode_headers
 
 
@@ -111,6 +172,7 @@ def apply() -> None:
     hpack.hpack.decode_huffman = decode_huffman_remembered
     h2.utilities._reject_illegal_characters = reject_illegal_characters
     h2.stream.utf8_encode_headers = utf8_encode_headers
+    h2.stream.validate_headers = validate_headers
     for module in (hpack.hpack, hpack.table):
         if not isinstance(module.log, _QuietDebug):
             module.log = _QuietDebug(module.log, {})
