@@ -32,13 +32,11 @@ class DisconnectWatch:
         "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone",
     )
 
-    def __init__(
-        self, receive: Receive, hangups: HangupWatcher | None, task: asyncio.Task[Any] | None = None
-    ) -> None:
+    def __init__(self, receive: Receive, hangups: HangupWatcher | None, task: asyncio.Task[Any]) -> None:
         self.gone = False
         self.finished = False
         self._upstream: PodResponse | None = None
-        self._task = task or asyncio.current_task()  # the request's: cancelled when the client leaves
+        self._task = task  # the request's: cancelled when the client leaves
         self._watcher: asyncio.Future[None] | None = None
         self._pairing: Pairing | None = None
         self._own_pairing = False  # ours to unpair at the end, not the client connection's
@@ -65,7 +63,7 @@ class DisconnectWatch:
             pairing.watcher.set_upstream(pairing, resp.socket if resp is not None else None)
 
     def _client_gone(self) -> None:
-        if not self.finished and self._task is not None:
+        if not self.finished:
             self.gone = True
             if self._upstream is not None:
                 self._upstream.close()

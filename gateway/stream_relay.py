@@ -279,7 +279,7 @@ class StreamRelay:
             err.message += f" The stream cannot be resumed on another pod ({why})."
             return None
         assert ex.budget is not None
-        loop = asyncio.get_running_loop()
+        loop = ex.task.get_loop()
         done = Transcript.read(recorder.sent)  # once: nothing is sent between the attempts
         while ex.resumes < self.config.resume.max_per_request and loop.time() < ex.deadline:
             pod = self.registry.pick(

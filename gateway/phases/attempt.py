@@ -122,7 +122,7 @@ class Attempt:
         except asyncio.CancelledError:
             if not (watch.gone or ex.cut):
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            ex.task.uncancel()
             if watch.gone:
                 ex.status = 499
                 ex.detail = "client_gone"
