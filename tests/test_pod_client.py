@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
+import types
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -25,6 +27,7 @@ class RawServer:
         self.connections = 0
         self.requests = 0
         self.writers: list[asyncio.StreamWriter] = []
+        self.hung_up = asyncio.Event()  # the client closed a connection
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -45,6 +48,7 @@ class RawServer:
                     writer.close()
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
+            self.hung_up.set()
             writer.close()
 
 
@@ -89,6 +93,34 @@ async def test_a_connection_the_pod_closed_while_idle_is_replaced_transparently(
     raw.writers[0].transport.abort()  # the pod drops the idle keep-alive connection
     assert await _post(client, port) == b"data: ab\n"
     assert raw.connections == 2
+    await client.close()
+
+
+async def test_bytes_a_pod_sends_on_an_idle_connection_close_it(serve) -> None:
+    # A pod that answers what nobody asked (here a 408, and it would keep the connection) has a
+    # connection out of step: the next request goes on a fresh one and gets its own answer.
+    raw, port = await serve(lambda _n: OK_CHUNKED)
+    client = PodClient(1.0, 30.0)
+    assert await _post(client, port) == b"data: ab\n"
+    raw.writers[0].write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
+    await asyncio.wait_for(raw.hung_up.wait(), 5)
+    assert client.open_connections == 0
+    assert await _post(client, port) == b"data: ab\n"
+    assert raw.connections == 2 and raw.requests == 2
+    await client.close()
+
+
+async def test_an_idle_connection_keeps_nothing_of_its_last_answer(serve) -> None:
+    # Each answer has a parser of its own, which refers to it; a pooled connection lets both go.
+    raw, port = await serve(lambda _n: OK_CHUNKED)
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    assert await resp.read_all() == b"data: ab\n"
+    resp.release()
+    # nothing but this test's own frame refers to the answer (the GC tracks the frame, not slots)
+    assert [r for r in gc.get_referrers(resp) if not isinstance(r, types.FrameType)] == []
+    assert client.open_connections == 1
+    assert await _post(client, port) == b"data: ab\n" and raw.connections == 1
     await client.close()
 
 

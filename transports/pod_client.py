@@ -92,9 +92,12 @@ class PodResponse:
             self.last_at = self._now()
         self.chunks += 1
         # ``previous + last`` must hold the stream's last whole event for the end-of-stream verdict:
-        # a read that stopped inside an event is kept with the ones before it (rare, and bounded)
+        # a read that stopped inside an event is kept with the ones before it (rare, and bounded).
+        # A token's read ends with LF LF: a slice's compare answers first (``endswith`` parses its
+        # arguments: ~200 instructions a read more).
         last = self.last
-        if last.endswith(EVENT_ENDS) or len(self.previous) > _TAIL_BYTES or self.max_line == NO_LIMIT:
+        ended = last[-2:] == b"\n\n" or last.endswith(EVENT_ENDS)
+        if ended or len(self.previous) > _TAIL_BYTES or self.max_line == NO_LIMIT:
             self.previous = last
         else:
             self.previous += last
@@ -212,14 +215,23 @@ class PodResponse:
 
 
 class PodConnection(asyncio.Protocol):
-    """One keep-alive connection to a pod, parsed by httptools."""
+    """One keep-alive connection to a pod, parsed by httptools.
+
+    Each response gets a parser of its own (``send_request``), made with the response's ``_feed``
+    as its body callback: httptools binds its callbacks when a parser is made, and so every body
+    read goes from the parser to the response with no call between (one Python call fewer on every
+    token, for ~0.6 µs a request). Bytes from the pod while no response is awaited are not HTTP we
+    asked for: the connection is closed, as nginx closes a cached upstream connection that reads
+    anything."""
+
+    on_body: Sink  # the body callback the next parser is made with: the awaited response's ``_feed``
 
     def __init__(self, pool: PodClient, key: Key) -> None:
         self.pool = pool
         self.key = key
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | None = None  # the awaited response's
         self.response: PodResponse | None = None
         self.headers_ready: asyncio.Future[None] | None = None
         self.used = 0
@@ -235,8 +247,11 @@ class PodConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        if self.response is None:  # unasked for: an idle connection, or one whose answer has ended
+            self.abort()
+            return
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(data)  # type: ignore[union-attr]  # set with the response
         except httptools.HttpParserError as exc:
             self._fail(PodBrokenError(f"pod sent invalid HTTP: {exc}"))
             self.abort()
@@ -268,7 +283,7 @@ class PodConnection(asyncio.Protocol):
         response = self.response
         if response is None:
             return
-        response.status = self.parser.get_status_code()
+        response.status = self.parser.get_status_code()  # type: ignore[union-attr]
         response.headers = {
             n.decode("latin-1").lower(): v.decode("latin-1") for n, v in self._header_list
         }
@@ -276,14 +291,10 @@ class PodConnection(asyncio.Protocol):
         if self.headers_ready is not None and not self.headers_ready.done():
             self.headers_ready.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response._feed(body)
-
     def on_message_complete(self) -> None:
         response = self.response
         self.response = None
-        keep = self.parser.should_keep_alive()
+        keep = self.parser.should_keep_alive()  # type: ignore[union-attr]
         if response is not None:
             response._finish()
         if not keep:
@@ -319,13 +330,17 @@ class PodConnection(asyncio.Protocol):
     def release(self) -> None:
         if self.closed or self.response is not None:
             return
+        self.parser = None  # it holds the finished response (its body callback): let both go
+        del self.on_body
         self.pool._park(self)
 
     def send_request(self, head: bytes, body: bytes) -> PodResponse:
         assert self.transport is not None
         self.used += 1
         self.got_bytes = False
-        self.response = PodResponse(self)
+        self.response = response = PodResponse(self)
+        self.on_body = response._feed
+        self.parser = httptools.HttpResponseParser(self)
         self.headers_ready = self.loop.create_future()
         self.transport.write(head + body)
         return self.response
