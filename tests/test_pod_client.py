@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from transports.pod_client import PodBrokenError, PodClient, PodConnectError, PodConnectTimeout
+from transports.pod_client import PodBrokenError, PodClient, PodConnectError, PodConnection, PodConnectTimeout
 
 OK_CHUNKED = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -97,8 +97,8 @@ async def test_a_connection_the_pod_closed_while_idle_is_replaced_transparently(
 
 
 async def test_bytes_a_pod_sends_on_an_idle_connection_close_it(serve) -> None:
-    # A pod that answers what nobody asked (here a 408, and it would keep the connection) has a
-    # connection out of step: the next request goes on a fresh one and gets its own answer.
+    # A pod that answers what nobody asked (here a 408 that would keep the connection) is not one to
+    # reuse: as nginx does, the connection is closed, and the next request goes on a fresh one.
     raw, port = await serve(lambda _n: OK_CHUNKED)
     client = PodClient(1.0, 30.0)
     assert await _post(client, port) == b"data: ab\n"
@@ -117,11 +117,50 @@ async def test_an_idle_connection_keeps_nothing_of_its_last_answer(serve) -> Non
     resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
     assert await resp.read_all() == b"data: ab\n"
     resp.release()
-    # nothing but this test's own frame refers to the answer (the GC tracks the frame, not slots)
-    assert [r for r in gc.get_referrers(resp) if not isinstance(r, types.FrameType)] == []
+    assert _held_by_others(resp) == []
     assert client.open_connections == 1
     assert await _post(client, port) == b"data: ab\n" and raw.connections == 1
     await client.close()
+
+
+async def test_a_stray_answer_in_the_same_read_closes_the_connection(serve) -> None:
+    # The answer's end and the start of another nobody asked for, in one write: none of the stray
+    # message (its headers, its length) may reach the next request's answer.
+    stray = b"HTTP/1.1 408 Request Timeout\r\nx-stray: 1\r\ncontent-length: 5\r\n"
+    raw, port = await serve(lambda n: OK_CHUNKED + stray if n == 1 else OK_CHUNKED)
+    client = PodClient(1.0, 30.0)
+    assert await _post(client, port) == b"data: ab\n"
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    assert "x-stray" not in resp.headers and "content-length" not in resp.headers
+    assert await resp.read_all() == b"data: ab\n"
+    resp.release()
+    assert raw.connections == 2
+    await client.close()
+
+
+async def test_a_closed_connection_keeps_nothing_of_its_answer(serve, monkeypatch) -> None:
+    # A client that leaves closes the pod's connection; the answer must go when the request does,
+    # not wait for a garbage collection (the parser refers to it, and it to the connection).
+    lost = asyncio.Event()
+    closing = PodConnection.connection_lost
+
+    def connection_lost(conn: PodConnection, exc: Exception | None) -> None:
+        closing(conn, exc)
+        lost.set()
+
+    monkeypatch.setattr(PodConnection, "connection_lost", connection_lost)
+    _, port = await serve(lambda _n: OK_CHUNKED[: OK_CHUNKED.index(b"3\r\n")])  # a stream that goes on
+    client = PodClient(1.0, 30.0)
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    resp.close()
+    await asyncio.wait_for(lost.wait(), 5)
+    assert _held_by_others(resp) == []
+    await client.close()
+
+
+def _held_by_others(resp: object) -> list[object]:
+    """What refers to ``resp`` besides the test holding it (its coroutine or frame: ``gc.get_referrers``)."""
+    return [r for r in gc.get_referrers(resp) if not isinstance(r, (types.FrameType, types.CoroutineType))]
 
 
 async def test_idle_connections_beyond_the_cap_are_closed(serve) -> None:

@@ -220,11 +220,11 @@ class PodConnection(asyncio.Protocol):
     Each response gets a parser of its own (``send_request``), made with the response's ``_feed``
     as its body callback: httptools binds its callbacks when a parser is made, and so every body
     read goes from the parser to the response with no call between (one Python call fewer on every
-    token, for ~0.6 µs a request). Bytes from the pod while no response is awaited are not HTTP we
-    asked for: the connection is closed, as nginx closes a cached upstream connection that reads
-    anything."""
-
-    on_body: Sink  # the body callback the next parser is made with: the awaited response's ``_feed``
+    token, for ~0.6 µs a request). That parser refers to the response, which refers back to the
+    connection, so the connection lets go of both once the answer is over (``_drop_parser``): when it
+    goes idle and when it closes. Bytes from the pod while no response is awaited, in a later read or
+    after the answer's end in the same one, are not HTTP we asked for: the connection is closed, as
+    nginx closes a cached upstream connection that reads anything."""
 
     def __init__(self, pool: PodClient, key: Key) -> None:
         self.pool = pool
@@ -232,6 +232,7 @@ class PodConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser: httptools.HttpResponseParser | None = None  # the awaited response's
+        self.on_body: Sink = _no_body  # the body callback a parser is made with: the response's ``_feed``
         self.response: PodResponse | None = None
         self.headers_ready: asyncio.Future[None] | None = None
         self.used = 0
@@ -258,6 +259,7 @@ class PodConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._drop_parser()  # never inside ``feed_data``: the transport calls this on a later turn
         self.pool._forget(self)
         response = self.response
         if exc is None and response is not None and response.status and _until_close(response.headers):
@@ -275,6 +277,10 @@ class PodConnection(asyncio.Protocol):
         self._fail(PodBrokenError(f"connection closed by the pod ({exc or 'EOF'})"))
 
     # -- httptools callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.response is None:  # a second message after the answer, in the same read
+            raise httptools.HttpParserError("a response nobody asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_list.append((name, value))
@@ -330,9 +336,13 @@ class PodConnection(asyncio.Protocol):
     def release(self) -> None:
         if self.closed or self.response is not None:
             return
-        self.parser = None  # it holds the finished response (its body callback): let both go
-        del self.on_body
+        self._drop_parser()
         self.pool._park(self)
+
+    def _drop_parser(self) -> None:
+        """Let go of the parser and the response whose ``_feed`` it calls (a cycle through this)."""
+        self.parser = None
+        self.on_body = _no_body
 
     def send_request(self, head: bytes, body: bytes) -> PodResponse:
         assert self.transport is not None
@@ -448,6 +458,10 @@ class PodClient:
     async def close(self) -> None:
         for conn in list(self._open):
             conn.abort()
+
+
+def _no_body(body: bytes) -> None:
+    """The body callback in place while no answer is awaited (no parser is made with it)."""
 
 
 def shut_down_now(transport: asyncio.BaseTransport) -> None:
