@@ -68,6 +68,7 @@ bench-deps: setup  # the bench extra (matplotlib, py-spy, ...) and Debian's ngin
 bench: bench-deps  ## direct vs gateway vs nginx vs the uvloop floor; installs nginx from Debian when it can
 	$(BIN)/python -m loadtest.bench $(BENCH_ARGS)
 	$(BIN)/python -m loadtest.bench_instructions $(BENCH_INSTRUCTION_ARGS)
+	$(BIN)/python -m loadtest.bench_readpath
 	$(BIN)/python -m loadtest.bench_disconnects $(BENCH_DISCONNECT_ARGS)
 	$(BIN)/python -m loadtest.bench_resume $(BENCH_RESUME_ARGS)
 	$(BIN)/python -m loadtest.bench_shed $(BENCH_SHED_ARGS)

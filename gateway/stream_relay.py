@@ -154,7 +154,7 @@ class StreamRelay:
         self, ex: Exchange, resp: PodResponse, recorder: Recorder | None, tap: UsageTap | None
     ) -> None:
         """``ex.usage`` from the pods; without it, the tokens the client got are the charge, counted
-        here from the recorder when the tap did not count them per read (``_sink``)."""
+        here from the recorder when the tap did not count them per read (``read_sink``)."""
         self._pods_usage(ex, resp, recorder, tap)
         if ex.usage is None and tap is not None and recorder is not None:
             ex.tokens_relayed = content_events(recorder.sent)
@@ -201,11 +201,11 @@ class StreamRelay:
         try:
             with Deadline(ex.task, ex.deadline):
                 if socket is not None:
-                    resp.splice(_sink(socket.writer(resp), resp, recorder, finish, tap))
+                    resp.splice(read_sink(socket.writer(resp), resp, recorder, finish, tap))
                     await resp.done
                 else:  # the same sink, its output sent by ASGI after each read
                     out: list[bytes] = []
-                    sink = _sink(out.append, resp, recorder, finish, tap)
+                    sink = read_sink(out.append, resp, recorder, finish, tap)
                     while chunk := await resp.read():
                         sink(chunk)
                         for body in out:
@@ -388,7 +388,7 @@ async def _result(task: asyncio.Task[int | None] | None, seconds: float) -> int 
     return None if task.cancelled() or task.exception() is not None else task.result()
 
 
-def _sink(
+def read_sink(
     write: Callable[[bytes], None],
     resp: PodResponse,
     recorder: Recorder | None,
