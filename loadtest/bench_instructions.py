@@ -54,7 +54,8 @@ def _control(pid: int, option: str) -> None:
     subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
 
 
-def _total(dump: Path) -> int:
+def callgrind_total(dump: Path) -> int:
+    """The instructions a callgrind dump counted (its ``totals:`` line)."""
     for line in dump.read_text().splitlines():
         if line.startswith("totals:"):
             return int(line.split()[1])
@@ -105,7 +106,7 @@ def count(target: str, load: str) -> int:
             samples = result.get("error_samples")
             raise RuntimeError(f"{target} load {load}: {result['ok']}/{requests} ok ({samples})")
         dumps = sorted(scratch.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
-        return _total(dumps[0])
+        return callgrind_total(dumps[0])
 
 
 def measure(target: str) -> dict[str, float]:

@@ -30,6 +30,7 @@ import uvloop
 from gateway.resume import Recorder
 from gateway.stream_relay import read_sink
 from gateway.usage import UsageTap
+from loadtest.bench_instructions import callgrind_total
 from transports.client_socket import ClientSocket
 from transports.pod_client import PodConnection
 
@@ -40,6 +41,7 @@ EVENT = (
     b'"model":"llama-3-8b","choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,'
     b'"finish_reason":null}]}\n\n'
 )
+CHUNK = b"%x\r\n%b\r\n" % (len(EVENT), EVENT)  # as the pod sends it, and as the client gets it
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
@@ -54,9 +56,6 @@ class _Socket:
 
     def is_closing(self) -> bool:
         return False
-
-    def abort(self) -> None:
-        pass
 
 
 class _Flow:
@@ -74,10 +73,9 @@ async def drive(reads: int) -> int:
     client = _Socket()
     socket = ClientSocket(client, _Flow())  # type: ignore[arg-type]
     resp.splice(read_sink(socket.writer(resp), resp, Recorder(), None, UsageTap(exchange)))  # type: ignore[arg-type]
-    chunk = b"%x\r\n%b\r\n" % (len(EVENT), EVENT)
     feed = conn.data_received
     for _ in range(reads):
-        feed(chunk)
+        feed(CHUNK)
     if resp.chunks != reads:
         raise RuntimeError(f"{resp.chunks} of {reads} reads reached the response")
     return client.written
@@ -89,10 +87,7 @@ def _count(reads: int, scratch: Path) -> int:
     argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
             sys.executable, "-m", "loadtest.bench_readpath", "--drive", str(reads)]
     subprocess.run(argv, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-    for line in out.read_text().splitlines():
-        if line.startswith("totals:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no totals in {out}")
+    return callgrind_total(out)
 
 
 def main(argv: list[str] | None = None) -> int:

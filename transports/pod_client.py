@@ -353,7 +353,7 @@ class PodConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.headers_ready = self.loop.create_future()
         self.transport.write(head + body)
-        return self.response
+        return response
 
 
 class PodClient:
