@@ -16,7 +16,10 @@ to use every core, and they share this 2-core machine with the pod and the load 
 For each: tokens/s received by the load generator; the gateway's CPU per 1000 tokens (every process
 of it: with two workers, the supervisor, both workers and the private ``redis-server`` that carries
 their shared quota counters); the cores the gateway kept busy, and (gateway-bound) those the pod and
-the load generator did, so the row says whether the machine was full.
+the load generator did, so the row says whether the machine was full. The whole-host rows also give
+the gateway's memory once its load is over: the proportional set size (PSS) summed over every
+process of it, which counts a page shared by k processes 1/k in each, so shared code is counted once
+(RSS would count it in each), and the memory a worker holds alone (USS, the largest worker's).
 
     python -m loadtest.bench_workers [--setup nginx,podsim] [--workers 1,2] [--duration S]
         [--repeats 3] [--write-md FILE]
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.rlimits import raise_open_file_limit
+from gateway.workers.template import NAME as TEMPLATE
 from loadtest.bench import (
     MODEL,
     Scenario,
@@ -139,7 +143,11 @@ def _split(
     cores: dict[str, list[float]] = {"worker": [], "redis": [], "supervisor": []}
     for pid, ticks in after.items():
         user, system = cpu_delta_s(before, {pid: ticks})
-        kind = "supervisor" if pid == supervisor else "redis" if "redis" in _name(pid) else "worker"
+        name = _name(pid)  # the worker template (gateway/workers/template.py) counts as the supervisor's
+        if pid == supervisor or name == TEMPLATE:
+            kind = "supervisor"
+        else:
+            kind = "redis" if "redis" in name else "worker"
         cores[kind].append((user + system) / wall)
     if not cores["worker"]:
         return {}
@@ -168,7 +176,9 @@ def run_podsim(target: str, args: argparse.Namespace, scenario: Scenario, scratc
             pids = process_tree(gateway.pid) if gateway else []
             before = cpu_ticks(pids)
             load = run_loadgen(url, scenario, False, headers=headers)
-            user, system = cpu_delta_s(before, cpu_ticks(process_tree(gateway.pid) if gateway else []))
+            pids = process_tree(gateway.pid) if gateway else []
+            user, system = cpu_delta_s(before, cpu_ticks(pids))
+            memory = _memory(gateway.pid, pids) if gateway else {}
         finally:
             _stop(gateway)
             pod.stop()
@@ -178,7 +188,28 @@ def run_podsim(target: str, args: argparse.Namespace, scenario: Scenario, scratc
         "setup": "podsim", "target": target, "errors": load["errors"], "tokens_per_s": load["tokens_per_s"],
         "cpu_ms_per_1k": (user + system) * 1e6 / tokens if workers and tokens else None,
         "cores": (user + system) / wall if workers else None,
+        **memory,
     }
+
+
+def _rollup_kb(pid: int) -> dict[str, int]:
+    """A process's ``/proc/PID/smaps_rollup`` totals, in KiB ({} once it has gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+    except OSError:
+        return {}
+    return {name: int(value.split()[0]) for name, value in (line.split(":", 1) for line in lines)}
+
+
+def _memory(gateway_pid: int, pids: list[int]) -> dict[str, float]:
+    """The gateway's PSS over all its processes, and the largest USS of a worker (of the gateway
+    itself, with one worker), in MB."""
+    rollups = {pid: _rollup_kb(pid) for pid in pids}
+    pss = sum(r.get("Pss", 0) for r in rollups.values())
+    serving = [pid for pid in pids if pid != gateway_pid and _name(pid) not in ("redis-server", TEMPLATE)]
+    serving = serving or [gateway_pid]
+    own = max(rollups[pid].get("Private_Clean", 0) + rollups[pid].get("Private_Dirty", 0) for pid in serving)
+    return {"pss_mb": pss / 1024, "worker_uss_mb": own / 1024}
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -223,8 +254,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
                 f"**Whole host**: the pod simulator unpaced, {args.streams} concurrent streams of "
                 f"{args.stream_tokens} tokens, {args.stream_requests} each, from the Python load generator.",
                 "",
-                "| target | errors | tokens/s | gateway CPU-ms per 1000 tokens | gateway cores busy |",
-                "| --- | --- | --- | --- | --- |",
+                "| target | errors | tokens/s | gateway CPU-ms per 1000 tokens | gateway cores busy "
+                "| gateway memory, PSS MB (all processes) | a worker's own, USS MB |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
             ]
         for target in args.targets:
             group = [r for r in mine if r["target"] == target]
@@ -238,6 +270,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]
             if setup == "nginx":
                 cells.append(_where(group))
                 cells.append(_cell(_median(group, "others_cores"), ".2f"))
+            else:
+                cells += [_cell(_median(group, "pss_mb"), ".0f"),
+                          _cell(_median(group, "worker_uss_mb"), ".0f")]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out).rstrip()

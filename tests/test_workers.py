@@ -217,3 +217,72 @@ def test_a_pod_added_to_the_config_file_stays_in_every_worker(pod: PodsimProcess
             with httpx.Client(timeout=5) as client:
                 models = {m["id"] for m in client.get(gw.url + "/v1/models").json()["data"]}
             assert models == {"llama-8b", "counted"}
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _python_children(pid: int) -> list[int]:
+    """``pid``'s children running the gateway (not the private redis-server)."""
+    return [p for p in _children(pid) if b"gateway.cli" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _gauge(admin_url: str, name: str) -> float:
+    for fam in text_string_to_metric_families(httpx.get(admin_url + "/metrics", timeout=5).text):
+        for sample in fam.samples:
+            if sample.name == name and "worker" not in sample.labels:
+                return sample.value
+    return 0.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@needs_redis_server()
+def test_workers_are_forked_from_one_template_and_one_killed_is_forked_again(
+    pod: PodsimProcess, counting_pod: str
+) -> None:
+    """The workers share the template's imported gateway (docs/operations.md): each is its child, not
+    a fresh interpreter; a worker that dies is forked again and serves, and SIGTERM leaves nothing."""
+    with GatewayProcess(_config(pod, counting_pod), extra_args=["--workers", "2"]) as gw:
+        (template,) = _python_children(gw.pid)
+        workers = _python_children(template)
+        assert len(workers) == 2, workers
+        victim = workers[0]
+        subprocess.run(["kill", "-KILL", str(victim)], check=True)
+        assert wait_for(lambda: _gauge(gw.admin_url, "sluicegate_worker_restarts_total") == 1, timeout_s=20)
+        assert wait_for(lambda: _gauge(gw.admin_url, "sluicegate_workers") == 2, timeout_s=20)
+        again = _python_children(template)
+        assert len(again) == 2 and victim not in again, again
+        assert "status -9" in gw.log(), gw.log()
+        for _ in range(10):
+            assert _fresh(gw.url, "/v1/chat/completions", CHAT).status_code == 200
+        assert gw.stop(timeout_s=20) == 0, gw.log()
+    assert not any(_alive(p) for p in (template, *again)), "a worker or the template outlived the supervisor"
+
+
+@needs_redis_server()
+def test_without_the_template_workers_are_still_watched_and_started(
+    pod: PodsimProcess, counting_pod: str
+) -> None:
+    """The template killed: the supervisor still learns of its workers' exits and starts them with exec."""
+    with GatewayProcess(_config(pod, counting_pod), extra_args=["--workers", "2"]) as gw:
+        (template,) = _python_children(gw.pid)
+        workers = _python_children(template)
+        subprocess.run(["kill", "-KILL", str(template)], check=True)
+        assert wait_for(lambda: "worker template" in gw.log(), timeout_s=10), gw.log()
+        subprocess.run(["kill", "-KILL", str(workers[0])], check=True)
+        assert wait_for(lambda: _gauge(gw.admin_url, "sluicegate_worker_restarts_total") == 1, timeout_s=20)
+        assert wait_for(lambda: _gauge(gw.admin_url, "sluicegate_workers") == 2, timeout_s=20)
+        (started,) = _python_children(gw.pid)  # exec'd: the supervisor's own child now
+        assert started not in workers
+        for _ in range(10):
+            assert _fresh(gw.url, "/v1/chat/completions", CHAT).status_code == 200
+        assert gw.stop(timeout_s=20) == 0, gw.log()
+    assert not any(_alive(p) for p in (started, workers[1])), "a worker outlived the supervisor"

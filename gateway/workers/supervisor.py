@@ -45,9 +45,12 @@ from gateway.workers import READY_LINE
 from gateway.workers.feed import frame, read_frame, snapshot
 from gateway.workers.local_redis import LocalRedis, needs_shared_state
 from gateway.workers.merge import merge
+from gateway.workers.template import PRELOAD, SHARED_STATE, ForkedWorker, WorkerTemplate
 from gateway.workers.worker import ENV, WorkerSpec, admin_path, feed_path
 
 log = logging.getLogger("sluicegate.supervisor")
+
+WorkerProcess = asyncio.subprocess.Process | ForkedWorker
 
 PUBLISH_POLL_S = 0.1  # how soon a change reaches the workers
 START_TIMEOUT_S = 60.0
@@ -58,7 +61,7 @@ STABLE_S = 60.0  # a worker up this long has its backoff reset
 @dataclass
 class _Worker:
     index: int
-    proc: asyncio.subprocess.Process | None = None
+    proc: WorkerProcess | None = None
     started: float = 0.0
     failures: int = 0
     lines: list[str] = field(default_factory=list)
@@ -91,13 +94,19 @@ class Supervisor:
         self.access: PodAccess | None = None
         self.keys: Any = None
         self.ports: dict[str, int | None] = {}
+        self.template: WorkerTemplate | None = None
 
     # -- start-up ------------------------------------------------------------------------------------
 
     def run(self) -> int:
+        # before any thread: workers are forked from it, sharing the gateway's imported code
+        shared = self.config.quotas.redis_url is not None or needs_shared_state(self.config)
+        self.template = WorkerTemplate.start(PRELOAD + SHARED_STATE if shared else PRELOAD)
         try:
             return self._run()
         finally:
+            if self.template is not None:
+                self.template.close()
             for sock in self.held:
                 sock.close()
             if self.redis is not None:
@@ -255,13 +264,7 @@ class Supervisor:
         env = {**os.environ, ENV: spec.to_env(), "PYTHONUNBUFFERED": "1"}
         with contextlib.suppress(FileNotFoundError):
             os.unlink(admin_path(self.dir, worker.index))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.cli", *self.argv, env=env,
-            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-            # its own process group: Ctrl-C at a terminal reaches the supervisor alone, which tells
-            # each worker once (a second signal would cut the drain short)
-            start_new_session=True,
-        )
+        proc = await self._launch(env)
         worker.proc, worker.started, worker.lines, worker.signalled = proc, time.monotonic(), [], False
         assert proc.stdout is not None
         try:
@@ -284,6 +287,21 @@ class Supervisor:
         self._spawn_task(_drain(proc.stdout))
         self._count_up()
         return None
+
+    async def _launch(self, env: dict[str, str]) -> WorkerProcess:
+        """A worker process: forked from the template while there is one, else exec'd."""
+        if self.template is not None and self.template.alive:
+            try:
+                return await self.template.spawn(self.argv, env)
+            except OSError as exc:
+                log.error("cannot fork a worker from the template (%s); starting it with exec", exc)
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", *self.argv, env=env,
+            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            # its own process group: Ctrl-C at a terminal reaches the supervisor alone, which tells
+            # each worker once (a second signal would cut the drain short)
+            start_new_session=True,
+        )
 
     async def _watch(self, worker: _Worker) -> None:
         """Wait for the worker to exit; unless the supervisor is stopping, start it again (backoff)."""

@@ -1,0 +1,291 @@
+"""Workers forked from a template process that has imported the gateway already, so they share it.
+
+A worker started with ``exec`` imports the whole gateway afresh and holds ~45 MB of its own before its
+first request; forked from a process that has imported it, it starts with those pages shared
+(copy-on-write) and holds ~16 MB of its own (``docs/operations.md``). The supervisor cannot fork its
+workers itself: it runs an event loop and threads, and a threaded process must not fork. So, before
+any thread starts, it forks a **template**: single-threaded, it imports the serving modules, moves
+them out of the collector's sight (``gc.freeze``: a collection would otherwise write to every shared
+page), and forks a worker whenever the supervisor asks, reporting each one's exit. Each worker then
+runs ``gateway.cli.main`` with the arguments and environment an exec'd one would get, in a session of
+its own, its output on a pipe the supervisor reads. Where there is no template (it could not start,
+or it died), the supervisor starts workers with ``exec`` as before.
+
+The two talk over a ``SOCK_SEQPACKET`` socket pair, one JSON message a packet: ``{"argv", "env"}``
+with the worker's stdout as an attached descriptor; ``{"pid"}`` in reply, in order; ``{"exit",
+"status"}`` when a worker ends (the status as ``asyncio``'s ``returncode``: negative for a signal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections import deque
+
+log = logging.getLogger("sluicegate.supervisor")
+
+# What a worker imports beyond what the supervisor has: its server and the modules it loads late.
+PRELOAD = (
+    "gateway.cli", "gateway.server", "gateway.workers.worker", "uvloop", "uvicorn.loops.uvloop",
+    "uvicorn.lifespan.on", "encodings.idna",
+)
+SHARED_STATE = ("gateway.quota.redis_store",)  # redis-py and what it brings: workers that share state
+_MAX_MESSAGE = 1 << 20  # an environment is a few KB
+_RESET = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
+NAME = "sluicegate-tmpl"  # the template's process name (ps -o comm, top); its workers keep python's
+
+
+def _set_name(name: str) -> None:
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(name)
+
+
+class ForkedWorker:
+    """A worker the template forked: what the supervisor uses of ``asyncio.subprocess.Process``."""
+
+    def __init__(self, stdout: asyncio.StreamReader) -> None:
+        self.pid = 0  # until the template says
+        self.stdout = stdout
+        self.returncode: int | None = None
+        loop = asyncio.get_running_loop()
+        self.started: asyncio.Future[int] = loop.create_future()
+        self._exited: asyncio.Future[int] = loop.create_future()
+
+    def exited(self, status: int) -> None:
+        if self.returncode is None:
+            self.returncode = status
+            self._exited.set_result(status)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None and self.pid:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WorkerTemplate:
+    """The supervisor's side of the template: start it, ask it for workers, hear of their exits."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self._sock = sock
+        self._pending: deque[ForkedWorker] = deque()  # asked for, in order, their pids not yet known
+        self._workers: dict[int, ForkedWorker] = {}
+        self._attached = False
+        self.alive = True
+
+    @classmethod
+    def start(cls, preload: tuple[str, ...] = PRELOAD) -> WorkerTemplate | None:
+        """Fork the template, importing ``preload``; None (workers are exec'd) where this process
+        must not fork."""
+        if threading.active_count() > 1 or not hasattr(os, "fork"):
+            log.info("workers are started with exec: this process already runs threads")
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            _template_main(theirs, preload)  # never returns
+        theirs.close()
+        ours.setblocking(False)
+        return cls(pid, ours)
+
+    async def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedWorker:
+        """A worker running ``gateway.cli.main(argv)`` under ``env``; OSError if the template is gone."""
+        loop = asyncio.get_running_loop()
+        if not self.alive:
+            raise OSError("the worker template has exited")
+        if not self._attached:
+            loop.add_reader(self._sock.fileno(), self._on_message)
+            self._attached = True
+        out_r, out_w = os.pipe()
+        try:
+            socket.send_fds(self._sock, [json.dumps({"argv": argv, "env": env}).encode()], [out_w])
+        except OSError:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)
+        worker = ForkedWorker(asyncio.StreamReader())
+        self._pending.append(worker)  # now, in the order asked: the template replies in that order
+        pipe, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(worker.stdout), os.fdopen(out_r, "rb", 0)
+        )
+        try:
+            await worker.started
+        except OSError:
+            pipe.close()
+            raise
+        return worker
+
+    def _on_message(self) -> None:
+        try:
+            data = self._sock.recv(_MAX_MESSAGE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._lost()
+            return
+        message = json.loads(data)
+        if "pid" in message:  # known before its exit can be: the template reports that later
+            worker = self._pending.popleft()
+            worker.pid = message["pid"]
+            self._workers[worker.pid] = worker
+            worker.started.set_result(worker.pid)
+        else:
+            worker = self._workers.pop(message["exit"], None)
+            if worker is not None:
+                worker.exited(message["status"])
+
+    def _lost(self) -> None:
+        """The template died: no more forks; its workers' ends are learned from pidfds instead."""
+        log.error("the worker template (pid %d) exited; workers are now started with exec", self.pid)
+        self.alive = False
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        while self._pending:
+            self._pending.popleft().started.set_exception(OSError("the worker template has exited"))
+        for pid, worker in self._workers.items():
+            _watch_pidfd(loop, pid, worker)
+        self._workers.clear()
+
+    def close(self) -> None:
+        """Let the template go (it exits when its socket closes) and reap it."""
+        if self.alive:
+            self.alive = False
+            if self._attached:
+                with contextlib.suppress(RuntimeError):
+                    asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _watch_pidfd(loop: asyncio.AbstractEventLoop, pid: int, worker: ForkedWorker) -> None:
+    """Learn of a worker's end without its parent: a pidfd is readable once the process exits.
+    Its status is lost with the template, so it counts as a failure (1)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # already gone
+        worker.exited(1)
+        return
+
+    def gone() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        worker.exited(1)
+
+    loop.add_reader(fd, gone)
+
+
+# -- the template process ------------------------------------------------------------------------------
+
+
+def _template_main(sock: socket.socket, preload: tuple[str, ...]) -> None:
+    """Import what a worker needs, then fork one per request until the supervisor's socket closes."""
+    code = 0
+    try:
+        with open("/proc/self/comm") as comm:
+            own_name = comm.read().strip()
+        _set_name(NAME)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the supervisor tells the workers
+            signal.signal(sig, signal.SIG_IGN)
+        for module in preload:
+            __import__(module)
+        gc.collect()
+        gc.freeze()
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        while True:
+            ready, _, _ = select.select([sock, wake_r], [], [])
+            if wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _reap(sock)
+            if sock in ready:
+                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+                if not data:
+                    break
+                message = json.loads(data)
+                pid = os.fork()
+                if pid == 0:
+                    _set_name(own_name)
+                    _worker_main(message["argv"], message["env"], fds[0], (sock.fileno(), wake_r, wake_w))
+                for fd in fds:
+                    os.close(fd)
+                sock.send(json.dumps({"pid": pid}).encode())
+    except BaseException:  # a template's failure must not run the supervisor's code
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with contextlib.suppress(OSError):  # the supervisor is gone: nobody to tell
+            sock.send(json.dumps({"exit": pid, "status": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _worker_main(argv: list[str], env: dict[str, str], stdout_fd: int, inherited: tuple[int, ...]) -> None:
+    """In the forked worker: become what an exec'd ``python -m gateway.cli argv`` would be, run it."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for fd in inherited:
+            os.close(fd)
+        for sig in _RESET:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        os.setsid()  # its own session, as the supervisor's exec'd workers: Ctrl-C reaches the supervisor
+        os.dup2(stdout_fd, 1)
+        os.close(stdout_fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        with contextlib.suppress(AttributeError):  # its lines reach the supervisor as they are printed
+            sys.stdout.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [sys.argv[0], *argv]
+        from gateway.cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # reported as an exec'd worker's traceback would be
+        traceback.print_exc()
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
