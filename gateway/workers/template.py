@@ -1,15 +1,16 @@
 """Workers forked from a template process that has imported the gateway already, so they share it.
 
-A worker started with ``exec`` imports the whole gateway afresh and holds ~45 MB of its own before its
-first request; forked from a process that has imported it, it starts with those pages shared
-(copy-on-write) and holds ~16 MB of its own (``docs/operations.md``). The supervisor cannot fork its
+A worker started with ``exec`` imports the whole gateway afresh and holds ~50 MB of its own once it
+has served; forked from a process that has imported it, it starts with those pages shared
+(copy-on-write) and holds ~25 MB of its own (``docs/operations.md``). The supervisor cannot fork its
 workers itself: it runs an event loop and threads, and a threaded process must not fork. So, before
-any thread starts, it forks a **template**: single-threaded, it imports the serving modules, moves
-them out of the collector's sight (``gc.freeze``: a collection would otherwise write to every shared
-page), and forks a worker whenever the supervisor asks, reporting each one's exit. Each worker then
-runs ``gateway.cli.main`` with the arguments and environment an exec'd one would get, in a session of
-its own, its output on a pipe the supervisor reads. Where there is no template (it could not start,
-or it died), the supervisor starts workers with ``exec`` as before.
+any thread starts, it imports what a worker needs, moves it out of the collector's sight
+(``gc.freeze``: a collection writes to every object it walks, and so to every shared page), and
+forks a **template**: single-threaded, it forks a worker whenever the supervisor asks and reports
+each one's exit. Each worker then runs ``gateway.cli.main`` with the arguments and environment an
+exec'd one would get, in a session of its own, its output on a pipe the supervisor reads. Where there
+is no template (threads were already running, or it died), the supervisor starts workers with
+``exec`` as before.
 
 The two talk over a ``SOCK_SEQPACKET`` socket pair, one JSON message a packet: ``{"argv", "env"}``
 with the worker's stdout as an attached descriptor; ``{"pid"}`` in reply, in order; ``{"exit",
@@ -91,9 +92,13 @@ class WorkerTemplate:
 
     @classmethod
     def start(cls, preload: tuple[str, ...] = PRELOAD) -> WorkerTemplate | None:
-        """Fork the template, importing ``preload``; None (workers are exec'd) where this process
+        """Import ``preload`` and fork the template; None (workers are exec'd) where this process
         must not fork."""
-        if threading.active_count() > 1 or not hasattr(os, "fork"):
+        for module in preload:  # here, so that the supervisor shares these pages too
+            __import__(module)
+        gc.collect()
+        gc.freeze()  # out of every later collection's walk, which would write to each shared page
+        if threading.active_count() > 1:
             log.info("workers are started with exec: this process already runs threads")
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -102,7 +107,7 @@ class WorkerTemplate:
         pid = os.fork()
         if pid == 0:
             ours.close()
-            _template_main(theirs, preload)  # never returns
+            _template_main(theirs)  # never returns
         theirs.close()
         ours.setblocking(False)
         return cls(pid, ours)
@@ -201,8 +206,8 @@ def _watch_pidfd(loop: asyncio.AbstractEventLoop, pid: int, worker: ForkedWorker
 # -- the template process ------------------------------------------------------------------------------
 
 
-def _template_main(sock: socket.socket, preload: tuple[str, ...]) -> None:
-    """Import what a worker needs, then fork one per request until the supervisor's socket closes."""
+def _template_main(sock: socket.socket) -> None:
+    """Fork a worker per request until the supervisor's socket closes; reap them, report their exits."""
     code = 0
     try:
         with open("/proc/self/comm") as comm:
@@ -210,10 +215,6 @@ def _template_main(sock: socket.socket, preload: tuple[str, ...]) -> None:
         _set_name(NAME)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the supervisor tells the workers
             signal.signal(sig, signal.SIG_IGN)
-        for module in preload:
-            __import__(module)
-        gc.collect()
-        gc.freeze()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
