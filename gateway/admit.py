@@ -49,6 +49,17 @@ _ID_PREFIX = os.urandom(8).hex()  # unique per gateway process; a counter makes 
 _ID_COUNTER = itertools.count(1)
 
 
+def _new_id_prefix() -> None:
+    """A forked process (a worker, ``gateway/workers/template.py``) is a new gateway process: its ids
+    must not repeat its parent's or its siblings'."""
+    global _ID_PREFIX, _ID_COUNTER
+    _ID_PREFIX = os.urandom(8).hex()
+    _ID_COUNTER = itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
 class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 

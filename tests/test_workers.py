@@ -286,3 +286,14 @@ def test_without_the_template_workers_are_still_watched_and_started(
             assert _fresh(gw.url, "/v1/chat/completions", CHAT).status_code == 200
         assert gw.stop(timeout_s=20) == 0, gw.log()
     assert not any(_alive(p) for p in (started, workers[1])), "a worker outlived the supervisor"
+
+
+@needs_redis_server()
+def test_request_ids_are_unique_across_forked_workers(gateway: GatewayProcess) -> None:
+    """Each worker makes its own ids (a prefix of its own and a counter): forked from one template,
+    they must not start from the same prefix, or their first requests would share ids."""
+    ids = [_fresh(gateway.url, "/v1/chat/completions", CHAT).headers["x-request-id"] for _ in range(20)]
+    served = _by_worker(gateway.admin_url, "sluicegate_requests")
+    assert len(served) == 2, served  # both workers answered some of them
+    assert len(set(ids)) == len(ids), ids
+    assert len({rid[:16] for rid in ids}) == 2, ids
