@@ -7,6 +7,8 @@ SIGTERM drains the streams in flight on both workers and exits 0, and bad input 
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli import main
+from loadtest.nginx import free_port
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import wait_for
@@ -297,3 +300,92 @@ def test_request_ids_are_unique_across_forked_workers(gateway: GatewayProcess) -
     assert len(served) == 2, served  # both workers answered some of them
     assert len(set(ids)) == len(ids), ids
     assert len({rid[:16] for rid in ids}) == 2, ids
+
+
+def test_forked_workers_and_the_template_leave_when_the_supervisor_is_killed(
+    pod: PodsimProcess, counting_pod: str
+) -> None:
+    """SIGKILL leaves the supervisor no chance to tell anyone: its workers see it gone (the
+    supervisor itself, not their parent, the template), drain and exit, and the template exits."""
+    config = _config(pod, counting_pod)
+    del config["tiers"]  # no shared state: no private redis-server to leave behind
+    with GatewayProcess(config, extra_args=["--workers", "2"]) as gw:
+        (template,) = _python_children(gw.pid)
+        workers = _python_children(template)
+        assert len(workers) == 2, workers
+        gw.proc.kill()  # type: ignore[union-attr]
+        gw.proc.wait()  # type: ignore[union-attr]
+        assert wait_for(lambda: not any(_alive(p) for p in (template, *workers)), timeout_s=20), gw.log()
+        assert gw.log().count("the supervisor exited; draining") == 2, gw.log()
+
+
+_MANY_SPAWNS = """
+import asyncio, json, sys
+from gateway.workers.template import PRELOAD, WorkerTemplate
+
+template = WorkerTemplate.start(PRELOAD)
+assert template is not None
+
+async def one(env):
+    worker = await template.spawn(["--version"], env)
+    line = (await worker.stdout.readline()).decode().strip()
+    return worker.pid, line, await worker.wait()
+
+async def main():
+    env = {"BIG": "x" * 20000, "PATH": "/usr/bin:/bin"}  # 30 of these do not fit one socket buffer
+    return await asyncio.gather(*(one(env) for _ in range(30)))
+
+results = asyncio.run(main())
+template.close()
+print(json.dumps(results))
+"""
+
+
+def test_many_workers_with_a_large_environment_are_all_forked() -> None:
+    """``--workers auto`` on a large node starts its workers at once, each with the whole environment:
+    every one must be forked (not refused by a full socket buffer and exec'd instead), each answers as
+    ``python -m gateway.cli`` would, and each exit status comes back."""
+    result = subprocess.run([sys.executable, "-c", _MANY_SPAWNS], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout)
+    assert len({pid for pid, _, _ in results}) == 30
+    assert all(line.startswith("sluicegate ") and status == 0 for _, line, status in results), results
+
+
+def test_workers_serve_when_the_supervisor_has_no_stdout(
+    pod: PodsimProcess, counting_pod: str, tmp_path: Path
+) -> None:
+    """Started with its stdout closed (as some service managers do), the supervisor still forks its
+    workers, they serve, and SIGTERM drains them: nothing depends on descriptor 1 being open."""
+    port = free_port()
+    config = _config(pod, counting_pod)
+    del config["tiers"]
+    config["server"] = {**config["server"], "port": port}
+    config["admin"] = {"enabled": False}
+    config["auth"] = {"enabled": False}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--workers", "2"],
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1),
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(url + "/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(ready, timeout_s=30), "not ready"
+        (template,) = _python_children(proc.pid)
+        assert len(_python_children(template)) == 2
+        for _ in range(6):
+            assert _fresh(url, "/v1/chat/completions", CHAT).status_code == 200
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        stderr = proc.communicate()[1]
+    assert "Traceback" not in stderr, stderr[-3000:]

@@ -260,6 +260,7 @@ class Supervisor:
         spec = WorkerSpec(
             index=worker.index, workers=self.count, dir=self.dir, port=int(self.ports["port"] or 0),
             tls_port=self.ports["tls_port"], h3_port=self.ports["h3_port"], redis_url=self.redis_url,
+            supervisor_pid=os.getpid(),
         )
         env = {**os.environ, ENV: spec.to_env(), "PYTHONUNBUFFERED": "1"}
         with contextlib.suppress(FileNotFoundError):

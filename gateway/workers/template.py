@@ -43,7 +43,10 @@ PRELOAD = (
 )
 SHARED_STATE = ("gateway.quota.redis_store",)  # redis-py and what it brings: workers that share state
 _MAX_MESSAGE = 1 << 20  # an environment is a few KB
-_RESET = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)
+SPAWN_TIMEOUT_S = 10.0  # a template that does not answer by then is taken for dead
+# Signals the template holds back (blocked, not ignored: a forked worker must not lose a SIGTERM sent
+# before it is ready for it; the supervisor tells the workers, the template has nothing to do on them)
+_HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 NAME = "sluicegate-tmpl"  # the template's process name (ps -o comm, top); its workers keep python's
 
 
@@ -59,6 +62,7 @@ class ForkedWorker:
         self.pid = 0  # until the template says
         self.stdout = stdout
         self.returncode: int | None = None
+        self.pidfd = -1  # once the template is gone: signals go through it (the pid may be reused)
         loop = asyncio.get_running_loop()
         self.started: asyncio.Future[int] = loop.create_future()
         self._exited: asyncio.Future[int] = loop.create_future()
@@ -73,7 +77,11 @@ class ForkedWorker:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None and self.pid:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # exited; its report is on its way
+                if self.pidfd >= 0:
+                    signal.pidfd_send_signal(self.pidfd, sig)
+                else:
+                    os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -88,6 +96,7 @@ class WorkerTemplate:
         self._pending: deque[ForkedWorker] = deque()  # asked for, in order, their pids not yet known
         self._workers: dict[int, ForkedWorker] = {}
         self._attached = False
+        self._one_at_a_time = asyncio.Lock()  # one message in flight: N environments may not fit the buffer
         self.alive = True
 
     @classmethod
@@ -102,8 +111,9 @@ class WorkerTemplate:
             log.info("workers are started with exec: this process already runs threads")
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
         pid = os.fork()
         if pid == 0:
             ours.close()
@@ -113,7 +123,12 @@ class WorkerTemplate:
         return cls(pid, ours)
 
     async def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedWorker:
-        """A worker running ``gateway.cli.main(argv)`` under ``env``; OSError if the template is gone."""
+        """A worker running ``gateway.cli.main(argv)`` under ``env``; OSError if the template is gone
+        or does not answer within ``SPAWN_TIMEOUT_S``."""
+        async with self._one_at_a_time:
+            return await self._spawn(argv, env)
+
+    async def _spawn(self, argv: list[str], env: dict[str, str]) -> ForkedWorker:
         loop = asyncio.get_running_loop()
         if not self.alive:
             raise OSError("the worker template has exited")
@@ -129,13 +144,21 @@ class WorkerTemplate:
         finally:
             os.close(out_w)
         worker = ForkedWorker(asyncio.StreamReader())
-        self._pending.append(worker)  # now, in the order asked: the template replies in that order
+        self._pending.append(worker)
         pipe, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(worker.stdout), os.fdopen(out_r, "rb", 0)
         )
         try:
-            await worker.started
-        except OSError:
+            async with asyncio.timeout(SPAWN_TIMEOUT_S):
+                await worker.started
+        except TimeoutError:
+            pipe.close()
+            log.error("the worker template (pid %d) did not answer in %g s; stopping it", self.pid,
+                      SPAWN_TIMEOUT_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)  # its socket's end tells _on_message, which cleans up
+            raise OSError("the worker template did not answer") from None
+        except BaseException:  # the template is gone, or the supervisor stops meanwhile
             pipe.close()
             raise
         return worker
@@ -154,6 +177,10 @@ class WorkerTemplate:
         if "pid" in message:  # known before its exit can be: the template reports that later
             worker = self._pending.popleft()
             worker.pid = message["pid"]
+            if worker.started.done():  # its spawn gave up waiting: a worker nobody would watch
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
+                return
             self._workers[worker.pid] = worker
             worker.started.set_result(worker.pid)
         else:
@@ -169,10 +196,14 @@ class WorkerTemplate:
         loop.remove_reader(self._sock.fileno())
         self._sock.close()
         while self._pending:
-            self._pending.popleft().started.set_exception(OSError("the worker template has exited"))
+            started = self._pending.popleft().started
+            if not started.done():
+                started.set_exception(OSError("the worker template has exited"))
         for pid, worker in self._workers.items():
             _watch_pidfd(loop, pid, worker)
         self._workers.clear()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, os.WNOHANG)  # most often it has exited by now: no zombie left
 
     def close(self) -> None:
         """Let the template go (it exits when its socket closes) and reap it."""
@@ -190,13 +221,14 @@ def _watch_pidfd(loop: asyncio.AbstractEventLoop, pid: int, worker: ForkedWorker
     """Learn of a worker's end without its parent: a pidfd is readable once the process exits.
     Its status is lost with the template, so it counts as a failure (1)."""
     try:
-        fd = os.pidfd_open(pid)
+        fd = worker.pidfd = os.pidfd_open(pid)
     except OSError:  # already gone
         worker.exited(1)
         return
 
     def gone() -> None:
         loop.remove_reader(fd)
+        worker.pidfd = -1
         os.close(fd)
         worker.exited(1)
 
@@ -213,8 +245,8 @@ def _template_main(sock: socket.socket) -> None:
         with open("/proc/self/comm") as comm:
             own_name = comm.read().strip()
         _set_name(NAME)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the supervisor tells the workers
-            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+        _close_inherited(keep=sock.fileno())
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
@@ -244,6 +276,24 @@ def _template_main(sock: socket.socket) -> None:
     os._exit(code)
 
 
+def _close_inherited(keep: int) -> None:
+    """Close what the supervisor's launcher left open (an exec'd worker never saw it: asyncio closes
+    every descriptor but 0-2 for a subprocess). At the fork the supervisor had imported modules and
+    nothing else: no Python object of its owns a descriptor above 2 yet."""
+    low = 3
+    if keep >= low:
+        os.closerange(low, keep)
+        low = keep + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
+def _move_fd(fd: int, to: int) -> None:
+    """Make ``fd`` descriptor number ``to`` (it may be already: a supervisor started with 0 or 1 closed)."""
+    if fd != to:
+        os.dup2(fd, to)
+        os.close(fd)
+
+
 def _reap(sock: socket.socket) -> None:
     while True:
         try:
@@ -263,16 +313,13 @@ def _worker_main(argv: list[str], env: dict[str, str], stdout_fd: int, inherited
         signal.set_wakeup_fd(-1)
         for fd in inherited:
             os.close(fd)
-        for sig in _RESET:
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()  # its own session, as the supervisor's exec'd workers: Ctrl-C reaches the supervisor
-        os.dup2(stdout_fd, 1)
-        os.close(stdout_fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        with contextlib.suppress(AttributeError):  # its lines reach the supervisor as they are printed
-            sys.stdout.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # one sent meanwhile is delivered now
+        _move_fd(stdout_fd, 1)
+        _move_fd(os.open(os.devnull, os.O_RDONLY), 0)
+        # its lines reach the supervisor as they are printed (also where the supervisor had none)
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [sys.argv[0], *argv]
@@ -285,8 +332,9 @@ def _worker_main(argv: list[str], env: dict[str, str], stdout_fd: int, inherited
         traceback.print_exc()
     try:
         atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
     finally:
         os._exit(code)
 

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +20,16 @@ from gateway.pods.registry import PodRegistry
 from gateway.workers.feed import PodConfigs, apply_snapshot, frame, read_frame
 
 log = logging.getLogger("sluicegate.worker")
+
+
+def _pidfd(pid: int) -> int:
+    """A pidfd for ``pid`` (-1 for none, or where it cannot be had)."""
+    if pid <= 0:
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
 
 ENV = "SLUICEGATE_WORKER"  # a JSON WorkerSpec: set by the supervisor for each worker it starts
 FLUSH_S = 0.05  # outcomes travel in batches at most this late
@@ -38,6 +49,7 @@ class WorkerSpec:
     tls_port: int | None = None
     h3_port: int | None = None
     redis_url: str | None = None
+    supervisor_pid: int = 0  # watched for the supervisor's exit (a forked worker's parent is the template)
 
     @property
     def feed_path(self) -> str:
@@ -95,6 +107,7 @@ class WorkerLink:
         self._flush: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._parent = os.getppid()
+        self._supervisor = _pidfd(spec.supervisor_pid)
         self._configs = PodConfigs()
 
     async def start(self, registry: PodRegistry) -> None:
@@ -117,6 +130,14 @@ class WorkerLink:
                 await self._task
         if self._writer is not None:
             self._writer.close()
+        if self._supervisor >= 0:
+            os.close(self._supervisor)
+            self._supervisor = -1
+
+    def _supervisor_gone(self) -> bool:
+        if self._supervisor < 0:  # no pidfd: the parent then is the supervisor, or is not any more
+            return os.getppid() != self._parent
+        return bool(select.select([self._supervisor], [], [], 0)[0])  # readable once it has exited
 
     async def _run(self) -> None:
         while True:
@@ -130,7 +151,7 @@ class WorkerLink:
                         self.fed = True
                         self._first.set()
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                if os.getppid() != self._parent:  # the supervisor is gone: drain and leave, as on SIGTERM
+                if self._supervisor_gone():  # drain and leave, as on SIGTERM
                     log.warning("worker %d: the supervisor exited; draining", self.spec.index)
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
