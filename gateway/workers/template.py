@@ -114,7 +114,13 @@ class WorkerTemplate:
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: exec'd workers may still start later
+            log.warning("workers are started with exec: cannot fork a template (%s)", exc)
+            ours.close()
+            theirs.close()
+            return None
         if pid == 0:
             ours.close()
             _template_main(theirs)  # never returns

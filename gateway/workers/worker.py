@@ -21,16 +21,6 @@ from gateway.workers.feed import PodConfigs, apply_snapshot, frame, read_frame
 
 log = logging.getLogger("sluicegate.worker")
 
-
-def _pidfd(pid: int) -> int:
-    """A pidfd for ``pid`` (-1 for none, or where it cannot be had)."""
-    if pid <= 0:
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return -1
-
 ENV = "SLUICEGATE_WORKER"  # a JSON WorkerSpec: set by the supervisor for each worker it starts
 FLUSH_S = 0.05  # outcomes travel in batches at most this late
 FIRST_SNAPSHOT_S = 30.0
@@ -89,6 +79,16 @@ def feed_path(directory: str) -> str:
 
 def admin_path(directory: str, index: int) -> str:
     return str(Path(directory) / f"worker-{index}.sock")
+
+
+def _pidfd(pid: int) -> int:
+    """A pidfd for ``pid`` (-1 for none, or where it cannot be had)."""
+    if pid <= 0:
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
 
 
 class WorkerLink:
