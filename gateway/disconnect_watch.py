@@ -57,10 +57,16 @@ class DisconnectWatch:
 
     @upstream.setter
     def upstream(self, resp: PodResponse | None) -> None:
-        self._upstream = resp
+        previous, self._upstream = self._upstream, resp
         pairing = self._pairing
-        if pairing is not None:
-            pairing.watcher.set_upstream(pairing, resp.socket if resp is not None else None)
+        if pairing is None:
+            return
+        watcher = pairing.watcher
+        if previous is not None:  # its socket's copy goes back to its connection, for the next request
+            previous.keep_watch_fd(watcher.take_upstream(pairing))
+        if resp is not None:
+            fd = resp.lend_watch_fd()
+            watcher.set_upstream(pairing, None if fd >= 0 else resp.socket, fd)
 
     def _client_gone(self) -> None:
         if not self.finished:
@@ -83,6 +89,8 @@ class DisconnectWatch:
             self._watcher.cancel()
         pairing = self._pairing
         if pairing is not None:
+            if self._upstream is not None:
+                self.upstream = None
             self._pairing = None
             if self._own_pairing:
                 pairing.release()

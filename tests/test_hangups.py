@@ -248,3 +248,35 @@ def test_a_pairing_released_after_the_watcher_closed_closes_nothing_of_anyone_el
     reused.getsockname()  # still open: raises OSError on a closed descriptor
     for s in (gw_client, client, *others):
         s.close()
+
+
+def test_a_pod_connection_lends_one_descriptor_to_every_request_it_serves(watcher: HangupWatcher) -> None:
+    """A pooled pod connection keeps its copy of the socket between requests: each request's pairing
+    is lent it (no new descriptor) and gives it back at its end (``take_upstream``), after which a
+    client leaving cannot touch it; the next request's client leaving still shuts the pod down."""
+    before = len(os.listdir("/proc/self/fd"))
+    gw_pod, pod = tcp_pair()
+    kept = os.dup(gw_pod.fileno())  # the connection's copy (made by the first request's watch)
+    first_gw, first_client = tcp_pair()
+    first = watcher.pair(first_gw)
+    assert first is not None
+    watcher.set_upstream(first, None, kept)
+    assert watcher.take_upstream(first) == kept  # the request ends: the copy goes back
+    first_client.close()  # this client leaves after its request: the pod connection is not its own
+    watcher.unpair(first)
+    assert pod_still_open(pod)
+    second_gw, second_client = tcp_pair()
+    second = watcher.pair(second_gw)
+    assert second is not None
+    lent = len(os.listdir("/proc/self/fd"))
+    watcher.set_upstream(second, None, kept)
+    assert len(os.listdir("/proc/self/fd")) == lent  # lent again: no descriptor made for it
+    second_client.close()
+    assert pod_sees_eof(pod)
+    assert watcher.take_upstream(second) == kept
+    os.close(kept)
+    watcher.unpair(second)
+    assert watcher.take_upstream(second) == -1  # forgotten: nothing to hand back
+    for s in (gw_pod, pod, first_gw, second_gw):
+        s.close()
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import socket
 import types
 from collections.abc import AsyncIterator, Callable
@@ -220,3 +221,57 @@ async def test_connect_timeout_when_the_pod_never_accepts() -> None:
         for sock in (*fillers, listener):
             sock.close()
         await client.close()
+
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _lost(conn: PodConnection) -> asyncio.Event:
+    """Set once the connection's transport has called ``connection_lost``."""
+    lost = asyncio.Event()
+    original = conn.connection_lost
+
+    def connection_lost(exc: Exception | None) -> None:
+        original(exc)
+        lost.set()
+
+    conn.connection_lost = connection_lost  # type: ignore[method-assign]
+    return lost
+
+
+async def test_the_hang_up_watchs_copy_lives_and_dies_with_its_connection(serve) -> None:
+    """A pooled connection keeps the copy of its socket that a request's hang-up watch gave back,
+    lends it to the next request on it, and closes it when it closes, whether the pod or the
+    gateway closes it: no descriptor outlives its connection."""
+    raw, port = await serve(lambda _n: OK_CHUNKED)
+    client = PodClient(1.0, 30.0)
+    before = _open_fds()
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    assert resp.lend_watch_fd() == -1  # a new connection has none: the watch makes it
+    fd = os.dup(resp.socket.fileno())  # type: ignore[union-attr]
+    await resp.read_all()
+    resp.keep_watch_fd(fd)  # the request's watch gives it back at its end
+    resp.release()
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    assert resp.lend_watch_fd() == fd  # lent to the next request on the same connection
+    resp.keep_watch_fd(fd)
+    await resp.read_all()
+    resp.release()
+    # the connection, its kept copy, and the server's end (in this process too)
+    assert raw.connections == 1 and _open_fds() == before + 3
+    lost = _lost(resp._conn)
+    raw.writers[0].transport.abort()  # the pod drops the idle connection
+    await asyncio.wait_for(lost.wait(), 5)
+    assert _open_fds() == before
+
+    resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+    fd = os.dup(resp.socket.fileno())  # type: ignore[union-attr]  # held by a request's watch
+    lost = _lost(resp._conn)
+    resp.close()  # the gateway gives up on the answer while the watch holds the copy
+    await asyncio.wait_for(lost.wait(), 5)
+    resp.keep_watch_fd(fd)  # given back once the connection is gone: closed, not kept
+    await asyncio.wait_for(raw.hung_up.wait(), 5)  # and the server's end has gone too
+    assert _open_fds() == before
+    await client.close()

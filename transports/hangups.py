@@ -118,9 +118,12 @@ class HangupWatcher:
             protocol.hangup_pairing = pairing
         return pairing, True
 
-    def set_upstream(self, pairing: Pairing, upstream: Any | None) -> None:
-        """Make ``upstream`` (or nothing) the pod socket to shut down when the client hangs up."""
-        own = _dup(upstream) if upstream is not None else -1
+    def set_upstream(self, pairing: Pairing, upstream: Any | None, fd: int = -1) -> None:
+        """Make ``upstream`` (or nothing) the pod socket to shut down when the client hangs up.
+
+        ``fd``: that socket as a descriptor of the caller's own, handed over instead of a new
+        ``dup`` (a pod connection keeps one between its requests: ``take_upstream``)."""
+        own = fd if fd >= 0 else _dup(upstream) if upstream is not None else -1
         with self._lock:
             if self._pairs.get(pairing.client) is not pairing:  # forgotten: the watcher closed
                 old = own
@@ -130,6 +133,16 @@ class HangupWatcher:
                 shut_down_fd(own)
         if old >= 0:
             os.close(old)
+
+    def take_upstream(self, pairing: Pairing) -> int:
+        """Stop watching for the pairing's pod socket and hand its descriptor to the caller, to keep
+        for that pod connection's next request or to close; -1 if there is none (or the watcher
+        closed, which closed it). Once this returns, the thread cannot reach the descriptor."""
+        with self._lock:
+            if self._pairs.get(pairing.client) is not pairing:
+                return -1
+            fd, pairing.upstream = pairing.upstream, -1
+        return fd
 
     def unpair(self, pairing: Pairing) -> None:
         """Forget ``pairing`` and close its descriptors; nothing if it was already forgotten (or

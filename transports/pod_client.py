@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import ssl
 
 import httptools
@@ -201,6 +202,14 @@ class PodResponse:
         transport = self._conn.transport
         return transport.get_extra_info("socket") if transport is not None else None
 
+    def lend_watch_fd(self) -> int:
+        """The connection's kept copy of its socket for the hang-up watch (-1: none yet)."""
+        return self._conn.lend_watch_fd()
+
+    def keep_watch_fd(self, fd: int) -> None:
+        """Give the hang-up watch's copy of the socket back to the connection (see ``PodConnection``)."""
+        self._conn.keep_watch_fd(fd)
+
     def close(self, error: BaseException | None = None) -> None:
         """Abandon the answer: close the connection (a pod aborts the generation on this)."""
         self._conn.abort()
@@ -240,6 +249,11 @@ class PodConnection(asyncio.Protocol):
         self.closed = False
         self.idle_timer: asyncio.TimerHandle | None = None
         self._header_list: list[tuple[bytes, bytes]] = []
+        # A copy of the socket's descriptor that the hang-up watch shuts down when a client leaves
+        # (transports/hangups.py): lent to each request's watch and given back at its end, so a
+        # request on a pooled connection makes no ``dup`` and no ``close`` of its own. Owned here
+        # only while no watch holds it; closed with the connection.
+        self.watch_fd = -1
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -259,6 +273,7 @@ class PodConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._close_watch_fd()
         self._drop_parser()  # never inside ``feed_data``: the transport calls this on a later turn
         self.pool._forget(self)
         response = self.response
@@ -332,6 +347,24 @@ class PodConnection(asyncio.Protocol):
             if not transport.is_closing():  # once: a second abort, or one after the pod hung up, skips it
                 shut_down_now(transport)
             transport.abort()
+        self._close_watch_fd()
+
+    def lend_watch_fd(self) -> int:
+        fd, self.watch_fd = self.watch_fd, -1
+        return fd
+
+    def keep_watch_fd(self, fd: int) -> None:
+        if fd < 0:
+            return
+        if self.closed or self.watch_fd >= 0:
+            os.close(fd)
+        else:
+            self.watch_fd = fd
+
+    def _close_watch_fd(self) -> None:
+        if self.watch_fd >= 0:
+            os.close(self.watch_fd)
+            self.watch_fd = -1
 
     def release(self) -> None:
         if self.closed or self.response is not None:
