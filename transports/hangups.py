@@ -7,8 +7,10 @@ module keeps a thread blocked in ``epoll_wait`` on the clients' sockets; when on
 (FIN or RST), the thread shuts the paired pod socket down at once, which is all a pod needs to abort
 the generation. The event loop still does every other part of the clean-up, in its own time.
 
-Thread safety rests on three rules. The thread only ever touches sockets this module owns: a ``dup``
-of the client's socket and of the pod's. Every pairing change and every shutdown happens under one
+Thread safety rests on three rules. The thread only ever touches sockets a pairing owns: a ``dup``
+of the client's socket and one of the pod's (the pod connection keeps the latter between its
+requests, but it is the pairing's from ``set_upstream`` until ``take_upstream`` hands it back, under
+the lock, and nobody closes it meanwhile). Every pairing change and every shutdown happens under one
 lock, so a pod connection that goes back to the keep-alive pool has been unpaired first. And an
 event names a descriptor number, which the event loop may close and reuse for the next client's
 ``dup`` between the thread's ``epoll_wait`` returning and the thread taking the lock: numbers
