@@ -29,7 +29,8 @@ class DisconnectWatch:
     """
 
     __slots__ = (
-        "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished", "gone",
+        "_lent", "_own_pairing", "_pairing", "_task", "_tripwire", "_upstream", "_watcher", "finished",
+        "gone",
     )
 
     def __init__(self, receive: Receive, hangups: HangupWatcher | None, task: asyncio.Task[Any]) -> None:
@@ -40,6 +41,7 @@ class DisconnectWatch:
         self._watcher: asyncio.Future[None] | None = None
         self._pairing: Pairing | None = None
         self._own_pairing = False  # ours to unpair at the end, not the client connection's
+        self._lent = -1  # the pod socket's copy the pairing holds for this request (set_upstream's)
         self._tripwire = trip_on_disconnect(receive, self._client_gone)
         if self._tripwire is None:
             self._watcher = asyncio.ensure_future(self._watch(receive))
@@ -63,10 +65,11 @@ class DisconnectWatch:
             return
         watcher = pairing.watcher
         if previous is not None:  # its socket's copy goes back to its connection, for the next request
-            previous.keep_watch_fd(watcher.take_upstream(pairing))
+            previous.keep_watch_fd(watcher.take_upstream(pairing, self._lent))
+            self._lent = -1
         if resp is not None:
             fd = resp.lend_watch_fd()
-            watcher.set_upstream(pairing, None if fd >= 0 else resp.socket, fd)
+            self._lent = watcher.set_upstream(pairing, None if fd >= 0 else resp.socket, fd)
 
     def _client_gone(self) -> None:
         if not self.finished:

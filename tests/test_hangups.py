@@ -260,8 +260,8 @@ def test_a_pod_connection_lends_one_descriptor_to_every_request_it_serves(watche
     first_gw, first_client = tcp_pair()
     first = watcher.pair(first_gw)
     assert first is not None
-    watcher.set_upstream(first, None, kept)
-    assert watcher.take_upstream(first) == kept  # the request ends: the copy goes back
+    assert watcher.set_upstream(first, None, kept) == kept
+    assert watcher.take_upstream(first, kept) == kept  # the request ends: the copy goes back
     first_client.close()  # this client leaves after its request: the pod connection is not its own
     watcher.unpair(first)
     assert pod_still_open(pod)
@@ -273,10 +273,33 @@ def test_a_pod_connection_lends_one_descriptor_to_every_request_it_serves(watche
     assert len(os.listdir("/proc/self/fd")) == lent  # lent again: no descriptor made for it
     second_client.close()
     assert pod_sees_eof(pod)
-    assert watcher.take_upstream(second) == kept
+    assert watcher.take_upstream(second, kept) == kept
     os.close(kept)
     watcher.unpair(second)
-    assert watcher.take_upstream(second) == -1  # forgotten: nothing to hand back
+    assert watcher.take_upstream(second, kept) == -1  # forgotten: nothing to hand back
     for s in (gw_pod, pod, first_gw, second_gw):
         s.close()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_copy_another_request_replaced_is_not_handed_back(watcher: HangupWatcher) -> None:
+    """Two requests' watches on one kept pairing (the second set its pod before the first took its
+    back): the first asks back by the descriptor it was given, gets nothing (the second's
+    ``set_upstream`` closed it), and the second's copy stays watched, not given to the wrong pod
+    connection."""
+    gw_client, client = tcp_pair()
+    pairing = watcher.pair(gw_client)
+    assert pairing is not None
+    first_gw, first_pod = tcp_pair()
+    second_gw, second_pod = tcp_pair()
+    first = watcher.set_upstream(pairing, first_gw)
+    second = watcher.set_upstream(pairing, second_gw)  # closes the first's copy
+    assert watcher.take_upstream(pairing, first) == -1
+    client.close()
+    assert pod_sees_eof(second_pod)  # still the pairing's, still shut down when the client leaves
+    assert pod_still_open(first_pod)
+    assert watcher.take_upstream(pairing, second) == second
+    os.close(second)
+    watcher.unpair(pairing)
+    for s in (gw_client, first_gw, first_pod, second_gw, second_pod):
+        s.close()

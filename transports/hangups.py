@@ -120,30 +120,34 @@ class HangupWatcher:
             protocol.hangup_pairing = pairing
         return pairing, True
 
-    def set_upstream(self, pairing: Pairing, upstream: Any | None, fd: int = -1) -> None:
-        """Make ``upstream`` (or nothing) the pod socket to shut down when the client hangs up.
+    def set_upstream(self, pairing: Pairing, upstream: Any | None, fd: int = -1) -> int:
+        """Make ``upstream`` (or nothing) the pod socket to shut down when the client hangs up; the
+        descriptor the pairing now holds for it (-1: none), which ``take_upstream`` asks back by.
 
         ``fd``: that socket as a descriptor of the caller's own, handed over instead of a new
-        ``dup`` (a pod connection keeps one between its requests: ``take_upstream``)."""
+        ``dup`` (a pod connection keeps one between its requests)."""
         own = fd if fd >= 0 else _dup(upstream) if upstream is not None else -1
         with self._lock:
             if self._pairs.get(pairing.client) is not pairing:  # forgotten: the watcher closed
-                old = own
+                old, held = own, -1
             else:
                 old, pairing.upstream = pairing.upstream, own
+                held = own
             if own >= 0 and pairing.fired:  # the client left while the pod was being reached
                 shut_down_fd(own)
         if old >= 0:
             os.close(old)
+        return held
 
-    def take_upstream(self, pairing: Pairing) -> int:
-        """Stop watching for the pairing's pod socket and hand its descriptor to the caller, to keep
-        for that pod connection's next request or to close; -1 if there is none (or the watcher
-        closed, which closed it). Once this returns, the thread cannot reach the descriptor."""
+    def take_upstream(self, pairing: Pairing, fd: int) -> int:
+        """Stop watching for the pod socket ``fd`` (as ``set_upstream`` returned it) and hand it to
+        the caller, to keep for that pod connection's next request or to close; -1 if the pairing
+        no longer holds it (the watcher closed, or another ``set_upstream`` replaced and closed it).
+        Once this returns, the thread cannot reach the descriptor."""
         with self._lock:
-            if self._pairs.get(pairing.client) is not pairing:
+            if fd < 0 or self._pairs.get(pairing.client) is not pairing or pairing.upstream != fd:
                 return -1
-            fd, pairing.upstream = pairing.upstream, -1
+            pairing.upstream = -1
         return fd
 
     def unpair(self, pairing: Pairing) -> None:
