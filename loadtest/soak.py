@@ -126,8 +126,10 @@ def _runtime(admin_url: str) -> dict[str, float]:
 
 def _unexplained_fds(runtime: dict[str, float]) -> float:
     """Open fds less the pod connections the gateway keeps alive on purpose (idle, pooled, bounded
-    by ``max_idle_per_pod`` and closed after ``keepalive_timeout_s``)."""
-    return runtime["process_open_fds"] - runtime.get("sluicegate_upstream_connections", 0)
+    by ``max_idle_per_pod`` and closed after ``keepalive_timeout_s``): two descriptors each, its
+    socket and, once it has served an HTTP/1.1 request (all of this soak's), the hang-up watch's
+    copy of it (``PodConnection.watch_fd``)."""
+    return runtime["process_open_fds"] - 2 * runtime.get("sluicegate_upstream_connections", 0)
 
 
 def run(duration_s: float, concurrency: int, seed: int = 7) -> dict[str, Any]:
