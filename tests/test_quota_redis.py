@@ -365,9 +365,11 @@ async def test_redis_down_mid_run_fail_open(fault: str, prefix: str, make_quotas
         await quotas.admit("key-0", policy, 10)
         assert quotas.store_up
         assert gauge("redis") == 1 and gauge("local") == 0
+        same_window = int(time.time() // 60) == window  # a minute may have begun during the outage
         window = int(time.time() // 60)
         after = int(redis.command("HGET", f"{prefix}key-0:{window}", "r") or 0)
-        assert after >= (1 if fault == "stop" else before + 1)  # counting in Redis again
+        # counting in Redis again: on top of what it had (a paused Redis kept it) within one minute
+        assert after >= (before + 1 if fault == "pause" and same_window else 1)
         await _load(quotas, policy, 0.3, latencies)
         assert slow(latencies) <= MOST_SLOW, (
             f"{slow(latencies)} of {len(latencies)} took {FAST_S * 1000:g} ms or more"
