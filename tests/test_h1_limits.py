@@ -12,6 +12,8 @@ import asyncio
 import json
 import os
 import re
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +125,41 @@ def test_slow_headers_get_408_at_the_head_deadline(target: Target) -> None:
     assert steady.failed == 0 and steady.completed >= 1
     assert target.arrivals() - arrivals == steady.completed
     assert target.rss_mb() - rss < 40
+
+
+def test_slow_second_head_on_a_kept_alive_connection_gets_408(target: Target) -> None:
+    """A connection that was answered once and then trickles its next head is held to the head
+    deadline from that head's first byte (the keep-alive timer stops when bytes arrive)."""
+    with socket.create_connection((target.host, target.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+        first = _read_answer(sock)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")  # and nothing more
+        began = time.monotonic()
+        second = _read_until_closed(sock)
+        waited = time.monotonic() - began
+    assert second.startswith(b"HTTP/1.1 408 "), second[:200]
+    assert _error_code(second) == "request_timeout"
+    assert waited < 6  # the 1 s head deadline with a loaded machine's margin (nothing else ends it)
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One answer with a Content-Length, read whole."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
 
 
 def test_silent_connections_are_closed(target: Target) -> None:

@@ -109,21 +109,32 @@ class GuardedH1Protocol(PromptH1Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        start = self.head_started if self.head_started is not None else self.loop.time()
-        self._head_timer = self.loop.call_at(start + self.limits.head_timeout_s, self._head_timed_out)
+        if self.head_started is None:  # nothing read yet: the first head's clock starts now
+            self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+        # else a dispatcher read the first bytes and hands them over next (``data_received``)
 
     def data_received(self, data: bytes) -> None:
+        # A head's clock starts at its first byte, but its timer is armed only if the head is still
+        # incomplete once this read is parsed: a head that arrives in one read (almost every one)
+        # never makes and cancels a timer.
+        head_from = 0.0
         if self._in_head:
             if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+                head_from = self.head_started or self.loop.time()
+                self.head_started = None
             self._head_bytes += len(data)
         elif self._in_body:
             self._last_rx = self.loop.time()
         super().data_received(data)
         if self.transport.is_closing():
             return
-        if self._in_head and self._head_bytes > self._head_budget:
-            self._refuse(431, "request head too large", "request_header_fields_too_large")
+        if self._in_head and self._head_bytes:  # a head begun and not complete
+            if self._head_bytes > self._head_budget:
+                self._refuse(431, "request head too large", "request_header_fields_too_large")
+            elif head_from and self._head_timer is None:
+                self._head_timer = self.loop.call_at(
+                    head_from + self.limits.head_timeout_s, self._head_timed_out
+                )
         elif self._in_body and self._body_timer is None:
             self._arm_body_timer()
 
