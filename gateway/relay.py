@@ -257,12 +257,17 @@ class Relay:
             # A browser sends text/plain or a form cross-origin without asking first (a CORS
             # "simple" request): only a JSON body proves the caller passed the preflight.
             raise _UNSUPPORTED_TYPE
-        # The whole body within the body deadline, whatever the transport: HTTP/1.1's protocol
-        # enforces it (and an idle one) itself; this bounds an HTTP/2 or HTTP/3 body that trickles.
+        # The whole body within the body deadline, whatever the transport. Every HTTP/1.1 listener's
+        # protocol (``GuardedH1Protocol``) enforces it, and an idle one, itself from the head's end:
+        # a second timer here would be made and cancelled for every request. This one bounds an
+        # HTTP/2 or HTTP/3 body that trickles (and gRPC-Web's, which names its own transport).
         seconds = self.config.server.limits.body_timeout_s
         try:
-            with Deadline(ex.task, ex.t0 + seconds):
+            if ex.transport == "h1":
                 body = await read_body(receive, head.content_length, max_body)
+            else:
+                with Deadline(ex.task, ex.t0 + seconds):
+                    body = await read_body(receive, head.content_length, max_body)
         except TimeoutError:
             raise GatewayError(
                 408, f"The request body did not arrive within {seconds:g} s.",

@@ -1,6 +1,7 @@
 """``asyncio.timeout_at``'s contract in a plain ``with`` block, for the request path's deadlines.
 
-Every streamed request enters three deadlines (the body's, connect and first token's, the total's).
+Every streamed request enters up to three deadlines (the body's, which HTTP/1.1's protocol keeps
+itself; connect and first token's; the total's).
 Python 3.11's ``asyncio.Timeout`` is an asynchronous context manager: each scope makes and runs two
 coroutines, looks up the current task and the running loop (each a ``getpid`` system call in
 3.11) and walks a small state machine, ~2-3 µs a scope on this machine before its timer. Nothing in
