@@ -7,14 +7,23 @@ the same count within ~1-2 %. It sees nothing of the kernel (system calls, which
 nginx pay alike) and little of caches, so it measures exactly the part of the cost that is ours.
 
 The proxy runs under callgrind with counting off; it is switched on (``callgrind_control``) only
-around three loads of one stream that last the same time (so the probes, scrapes and timers running
-beside them cost the same in each):
+around each of the loads below, which all last the same time (so the probes, scrapes and timers
+running beside them cost the same in each). Three are of one stream:
 
 - A: 10 requests of 32 tokens at 20 ms a token,
 - B: 40 requests of 8 tokens at 20 ms a token (30 requests more, the same tokens and time),
 - C: 10 requests of 160 tokens at 4 ms a token (1280 tokens more, the same requests and time),
 
-so a request costs (B - A) / 30 instructions and a token (C - A) / 1280. Targets: ``gateway``
+so a request costs (B - A) / 30 instructions and a token (C - A) / 1280. Those requests share one
+kept-alive client connection and one pooled pod connection. Scenario d's do not: each of its 2000
+streams opens its own client connection, and the pod pool has to open as many pod connections. Two
+more loads count that case, every request on a connection of its own (the client connections opened
+together as the load starts, the pod connections as their requests go out; both counted):
+
+- D: 10 connections of one request of 32 tokens at 20 ms a token,
+- E: 40 connections of one request of 8 tokens at 20 ms a token (the same tokens and time),
+
+so a request on new connections costs (E - D) / 30. Targets: ``gateway``
 (every feature on, as ``make bench``'s, with probes, scrapes and file checks once a minute: they
 cancel out of both figures, and at their usual second or two they only added noise) and ``floor``
 (``loadtest/floor.py``: what a uvloop relay costs at the least). Under callgrind a process runs
@@ -40,7 +49,11 @@ from loadtest.floor import FloorProcess
 from loadtest.procs import GatewayProcess
 from loadtest.report import command_line, publish
 
-LOADS = {"A": (10, 32, 20.0), "B": (40, 8, 20.0), "C": (10, 160, 4.0)}  # requests, tokens, ms a token
+# connections, requests on each, tokens, ms a token
+LOADS = {
+    "A": (1, 10, 32, 20.0), "B": (1, 40, 8, 20.0), "C": (1, 10, 160, 4.0),
+    "D": (10, 1, 32, 20.0), "E": (40, 1, 8, 20.0),
+}
 TARGETS = ("gateway", "floor")
 QUIET_S = 60.0  # probes, scrapes and file checks during a load: none after the first
 
@@ -82,9 +95,9 @@ def _start(target: str, pod_url: str, scratch: Path, out: Path) -> tuple[Any, di
 
 def count(target: str, load: str) -> int:
     """Instructions the proxy ran during one load."""
-    requests, tokens, itl_ms = LOADS[load]
+    streams, requests, tokens, itl_ms = LOADS[load]
     scenario = dataclasses.replace(
-        bench.SCENARIOS["a"], streams=1, requests=requests, max_tokens=tokens, itl_ms=itl_ms
+        bench.SCENARIOS["a"], streams=streams, requests=requests, max_tokens=tokens, itl_ms=itl_ms
     )
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -102,35 +115,47 @@ def count(target: str, load: str) -> int:
                 proxy.stop()
         finally:
             pod.stop()
-        if result["errors"] or result["ok"] != requests:
+        if result["errors"] or result["ok"] != streams * requests:
             samples = result.get("error_samples")
-            raise RuntimeError(f"{target} load {load}: {result['ok']}/{requests} ok ({samples})")
+            raise RuntimeError(f"{target} load {load}: {result['ok']}/{streams * requests} ok ({samples})")
         dumps = sorted(scratch.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
         return callgrind_total(dumps[0])
 
 
+def _requests(load: str) -> int:
+    return LOADS[load][0] * LOADS[load][1]
+
+
+def _tokens(load: str) -> int:
+    return _requests(load) * LOADS[load][2]
+
+
 def measure(target: str) -> dict[str, float]:
-    a, b, c = (count(target, load) for load in "ABC")
+    a, b, c, d, e = (count(target, load) for load in "ABCDE")
     return {
-        "A": a, "B": b, "C": c,
-        "per_request": (b - a) / (LOADS["B"][0] - LOADS["A"][0]),
-        "per_token": (c - a) / (LOADS["C"][0] * LOADS["C"][1] - LOADS["A"][0] * LOADS["A"][1]),
+        "A": a, "B": b, "C": c, "D": d, "E": e,
+        "per_request": (b - a) / (_requests("B") - _requests("A")),
+        "per_token": (c - a) / (_tokens("C") - _tokens("A")),
+        "per_new_request": (e - d) / (_requests("E") - _requests("D")),
     }
 
 
 def render(rows: dict[str, dict[str, float]], command: str) -> str:
     lines = [
         f"Command: `{command}`  ",
-        "Instructions the proxy ran in user mode (callgrind), one stream; per request from loads A and B, "
-        "per token from A and C (see the module doc).",
+        "Instructions the proxy ran in user mode (callgrind); per request from loads A and B (one "
+        "kept-alive connection), per token from A and C, per request on new client and pod connections "
+        "from D and E (see the module doc).",
         "",
-        "| target | load A | load B | load C | per request | per token |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| target | load A | load B | load C | load D | load E | per request | per token "
+        "| per request, new connections |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for target, r in rows.items():
+        loads = " | ".join(f"{r[load] / 1e6:.1f} M" for load in "ABCDE")
         lines.append(
-            f"| {target} | {r['A'] / 1e6:.1f} M | {r['B'] / 1e6:.1f} M | {r['C'] / 1e6:.1f} M "
-            f"| {r['per_request'] / 1e3:,.0f} k | {r['per_token'] / 1e3:.1f} k |"
+            f"| {target} | {loads} | {r['per_request'] / 1e3:,.0f} k | {r['per_token'] / 1e3:.1f} k "
+            f"| {r['per_new_request'] / 1e3:,.0f} k |"
         )
     return "\n".join(lines)
 
