@@ -43,6 +43,7 @@ from transports.h1_limits import GuardedH1Protocol, H1Limits
 from transports.h2_dispatch import CleartextDispatch, TlsDispatch
 from transports.h2_guard import H2Limits
 from transports.h2_server import H2Settings
+from transports.same_delay_timers import SameDelayTimers
 from transports.tls import TlsFilesError, server_context
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -359,7 +360,10 @@ def build_server(
     app = Gateway(config, lookup, source, worker=worker)
     http: Any = functools.partial(GuardedH1Protocol, limits=extra.h1)
     if config.server.h2c:
-        http = functools.partial(CleartextDispatch, h2_settings=extra.h2, h1_limits=extra.h1)
+        http = functools.partial(
+            CleartextDispatch, h2_settings=extra.h2, h1_limits=extra.h1,
+            first_bytes=SameDelayTimers(extra.h1.head_timeout_s),
+        )
     uv_config = uvicorn.Config(
         app,
         host=config.server.host,

@@ -275,3 +275,27 @@ async def test_the_hang_up_watchs_copy_lives_and_dies_with_its_connection(serve)
     await asyncio.wait_for(raw.hung_up.wait(), 5)  # and the server's end has gone too
     assert _open_fds() == before
     await client.close()
+
+
+async def test_an_idle_pooled_connection_closes_at_its_keep_alive_timeout(serve) -> None:
+    """A connection back in the pool is closed ``keepalive_timeout_s`` after it went idle; taken out
+    for a request first, it stays open however long that request takes, and its wait starts over
+    when it comes back (the pool's timeouts share one loop timer)."""
+    loop = asyncio.get_running_loop()
+    unfinished = OK_CHUNKED.removesuffix(b"0\r\n\r\n")
+    raw, port = await serve(lambda n: OK_CHUNKED if n == 1 else unfinished)
+    client = PodClient(1.0, 0.3)
+    try:
+        await _post(client, port)
+        resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")  # reused
+        await asyncio.sleep(0.4)  # past the first idle spell's timeout, the answer still open
+        raw.writers[0].write(b"0\r\n\r\n")
+        assert (await resp.read_all()).endswith(b"ab\n")
+        resp.release()
+        idle_from = loop.time()
+        assert raw.connections == 1 and client.open_connections == 1 and not raw.hung_up.is_set()
+        await asyncio.wait_for(raw.hung_up.wait(), 5)
+        assert loop.time() - idle_from >= 0.3 - 0.01  # its second idle spell's timeout
+        assert raw.connections == 1
+    finally:
+        await client.close()

@@ -18,6 +18,7 @@ from typing import Any
 
 from transports.h1_limits import GuardedH1Protocol, H1Limits
 from transports.h2_server import PREFACE, H2Protocol, H2Settings
+from transports.same_delay_timers import SameDelayTimers
 
 
 class _Dispatch(asyncio.Protocol):
@@ -56,21 +57,23 @@ class CleartextDispatch(_Dispatch):
     """The cleartext port: HTTP/2 with prior knowledge (h2c) or HTTP/1.1, by the first bytes.
 
     A connection that sends nothing is closed at the request head timeout; HTTP/1.1 counts its own
-    head timeout from the connection's start, not from the handover."""
+    head timeout from the connection's start, not from the handover. ``first_bytes``: those
+    timeouts, shared by the listener's connections (one loop timer for all, not one set and cancelled
+    a connection); by default this connection's own."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, first_bytes: SameDelayTimers | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.transport: asyncio.Transport | None = None
         self._head = b""
         self._started = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._first_bytes = first_bytes or SameDelayTimers(self.h1_limits.head_timeout_s)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
         self.server_state.connections.add(self)
         loop = self.loop = self.loop or asyncio.get_event_loop()
         self._started = loop.time()
-        self._timer = loop.call_later(self.h1_limits.head_timeout_s, transport.close)
+        self._first_bytes.set(loop, self, transport.close)
 
     def data_received(self, data: bytes) -> None:
         head = self._head + data if self._head else data
@@ -92,9 +95,7 @@ class CleartextDispatch(_Dispatch):
         self.server_state.connections.discard(self)
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._first_bytes.cancel(self)
 
     def shutdown(self) -> None:
         if self.transport is not None:

@@ -23,6 +23,7 @@ import httptools
 
 from transports.client_socket import Sink
 from transports.hangups import shut_down_fd
+from transports.same_delay_timers import SameDelayTimers
 from transports.sse import EVENT_ENDS
 from transports.tls import tls_reason
 
@@ -247,7 +248,6 @@ class PodConnection(asyncio.Protocol):
         self.used = 0
         self.got_bytes = False
         self.closed = False
-        self.idle_timer: asyncio.TimerHandle | None = None
         self._header_list: list[tuple[bytes, bytes]] = []
         # A copy of the socket's descriptor that the hang-up watch shuts down when a client leaves
         # (transports/hangups.py): lent to each request's watch and given back at its end, so a
@@ -400,6 +400,8 @@ class PodClient:
         self.max_idle_per_pod = max_idle_per_pod
         self._idle: dict[Key, list[PodConnection]] = {}
         self._open: set[PodConnection] = set()
+        # each idle connection's keep-alive: one shared loop timer, not one set and cancelled a request
+        self._idle_timeouts = SameDelayTimers(keepalive_timeout_s)
 
     @property
     def open_connections(self) -> int:
@@ -464,9 +466,7 @@ class PodClient:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if conn.idle_timer is not None:
-                conn.idle_timer.cancel()
-                conn.idle_timer = None
+            self._idle_timeouts.cancel(conn)
             if not conn.closed:
                 return conn
         return None
@@ -477,16 +477,14 @@ class PodClient:
             conn.abort()
             return
         idle.append(conn)
-        conn.idle_timer = conn.loop.call_later(self.keepalive_timeout_s, conn.abort)
+        self._idle_timeouts.set(conn.loop, conn, conn.abort)
 
     def _forget(self, conn: PodConnection) -> None:
         self._open.discard(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
-        if conn.idle_timer is not None:
-            conn.idle_timer.cancel()
-            conn.idle_timer = None
+        self._idle_timeouts.cancel(conn)
 
     async def close(self) -> None:
         for conn in list(self._open):
