@@ -402,10 +402,18 @@ class PodClient:
         self._open: set[PodConnection] = set()
         # each idle connection's keep-alive: one shared loop timer, not one set and cancelled a request
         self._idle_timeouts = SameDelayTimers(keepalive_timeout_s)
+        self._stall_timeouts: dict[float, SameDelayTimers] = {}  # StallWatch's first looks, by delay
 
     @property
     def open_connections(self) -> int:
         return len(self._open)
+
+    def stall_timeouts(self, stall_s: float) -> SameDelayTimers:
+        """The shared timeouts of ``stall_s`` for streams' stall watches (``StallWatch``)."""
+        timers = self._stall_timeouts.get(stall_s)
+        if timers is None:
+            timers = self._stall_timeouts[stall_s] = SameDelayTimers(stall_s)
+        return timers
 
     async def request(
         self,
@@ -534,24 +542,31 @@ def _request_head(
 class StallWatch:
     """Ends an answer whose pod has been silent longer than ``stall_s``.
 
-    One timer per stream, re-armed only when it fires early (at the last chunk's time plus the
-    budget), so the per-token path only records the time of each chunk.
+    The per-token path only records the time of each chunk. The first look comes ``stall_s`` after
+    the watch starts, from the pool's timeouts of that delay (one loop timer shared by every stream:
+    most streams end before it); a stream still running then is looked at again at its last
+    chunk's time plus ``stall_s``, with a loop timer of its own.
     """
 
-    __slots__ = ("_handle", "_loop", "_resp", "_stall_s")
+    __slots__ = ("_first", "_handle", "_loop", "_resp", "_stall_s")
 
     def __init__(self, resp: PodResponse, stall_s: float) -> None:
         self._resp = resp
         self._stall_s = stall_s
         self._loop = resp._conn.loop
-        self._handle = self._loop.call_at(resp.last_at + stall_s, self._check)
+        self._handle: asyncio.TimerHandle | None = None
+        self._first = resp._conn.pool.stall_timeouts(stall_s)
+        self._first.set(self._loop, self, self._check)
 
     def _check(self) -> None:
         due = self._resp.last_at + self._stall_s
         if self._loop.time() >= due:
+            self._handle = None
             self._resp.close(PodStalledError(f"no bytes from the pod for {self._stall_s:g} s"))
         else:
             self._handle = self._loop.call_at(due, self._check)
 
     def cancel(self) -> None:
-        self._handle.cancel()
+        self._first.cancel(self)
+        if self._handle is not None:
+            self._handle.cancel()
