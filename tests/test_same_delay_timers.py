@@ -4,7 +4,9 @@ unless cancelled; a key set again starts over; one callback's failure spares the
 from __future__ import annotations
 
 import asyncio
+import types
 
+from transports.h2_dispatch import CleartextDispatch
 from transports.same_delay_timers import SameDelayTimers
 
 DELAY = 0.05
@@ -30,7 +32,7 @@ async def test_each_timeout_runs_at_its_own_deadline_in_order() -> None:
     for began, ran in zip(set_at, times, strict=True):
         assert ran >= began + DELAY - 0.002  # never early (the loop's clock has 1 ms steps)
     assert times == sorted(times)
-    assert len(timers) == 0
+    assert timers.pending == 0
 
 
 async def test_a_cancelled_timeout_never_runs_and_the_others_still_do() -> None:
@@ -105,3 +107,49 @@ async def test_timeouts_set_and_cancelled_by_a_running_callback_keep_their_deadl
     assert later_set + DELAY - 0.002 <= later_at < later_set + DELAY + 1.0
     chained_at = await asyncio.wait_for(chained, 5)
     assert chained_at > later_at
+
+
+class _Connections(set):
+    """uvicorn's set of live connections, telling a test when it changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Event()
+
+    def add(self, item: object) -> None:
+        super().add(item)
+        self.changed.set()
+
+    def discard(self, item: object) -> None:
+        super().discard(item)
+        self.changed.set()
+
+    async def until(self, count: int) -> None:
+        while len(self) != count:
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 5)
+
+
+async def test_a_listeners_new_connections_wait_for_their_first_bytes_in_one_set_of_timeouts() -> None:
+    """The cleartext listener hands each new connection the same timeouts (one loop timer for all of
+    them, however many connect at once); a connection that goes away takes its timeout with it."""
+    loop = asyncio.get_running_loop()
+    timers = SameDelayTimers(30.0)
+    state = types.SimpleNamespace(connections=_Connections())
+
+    def factory() -> CleartextDispatch:
+        return CleartextDispatch(None, state, {}, loop, first_bytes=timers)
+
+    server = await loop.create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await state.connections.until(3)  # each dispatch has seen connection_made
+        assert timers.pending == 3
+        clients[0][1].close()
+        await state.connections.until(2)  # that one's dispatch has seen connection_lost
+        assert timers.pending == 2
+        for _reader, writer in clients[1:]:
+            writer.close()
+    finally:
+        server.close()

@@ -66,7 +66,9 @@ class CleartextDispatch(_Dispatch):
         self.transport: asyncio.Transport | None = None
         self._head = b""
         self._started = 0.0
-        self._first_bytes = first_bytes or SameDelayTimers(self.h1_limits.head_timeout_s)
+        if first_bytes is None:
+            first_bytes = SameDelayTimers(self.h1_limits.head_timeout_s)
+        self._first_bytes = first_bytes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport

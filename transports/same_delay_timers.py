@@ -31,7 +31,9 @@ class SameDelayTimers:
         self._handle: asyncio.TimerHandle | object | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def __len__(self) -> int:
+    @property
+    def pending(self) -> int:
+        """Timeouts set and not yet run or cancelled. (Not ``__len__``: an empty one is not false.)"""
         return len(self._due)
 
     def set(self, loop: asyncio.AbstractEventLoop, key: Hashable, callback: Callable[[], object]) -> None:
