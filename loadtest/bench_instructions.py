@@ -21,7 +21,8 @@ more loads count that case, every request on a connection of its own (the client
 together as the load starts, the pod connections as their requests go out; both counted):
 
 - D: 10 connections of one request of 32 tokens at 20 ms a token,
-- E: 40 connections of one request of 8 tokens at 20 ms a token (the same tokens and time),
+- E: 40 connections of one request of 8 tokens at 80 ms a token (the same tokens and time: the
+  requests run at once, so each load lasts one request's time),
 
 so a request on new connections costs (E - D) / 30. Targets: ``gateway``
 (every feature on, as ``make bench``'s, with probes, scrapes and file checks once a minute: they
@@ -52,7 +53,7 @@ from loadtest.report import command_line, publish
 # connections, requests on each, tokens, ms a token
 LOADS = {
     "A": (1, 10, 32, 20.0), "B": (1, 40, 8, 20.0), "C": (1, 10, 160, 4.0),
-    "D": (10, 1, 32, 20.0), "E": (40, 1, 8, 20.0),
+    "D": (10, 1, 32, 20.0), "E": (40, 1, 8, 80.0),
 }
 TARGETS = ("gateway", "floor")
 QUIET_S = 60.0  # probes, scrapes and file checks during a load: none after the first

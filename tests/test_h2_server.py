@@ -42,6 +42,7 @@ from transports.asgi_stream import AsgiStream
 from transports.h1_disconnect import PromptH1Protocol, trip_on_disconnect
 from transports.h2_dispatch import CleartextDispatch
 from transports.h2_server import PREFACE, H2Settings
+from transports.same_delay_timers import SameDelayTimers
 from transports.tls import self_signed, server_context
 
 # -- the in-process server and its app ---------------------------------------------------------
@@ -177,7 +178,9 @@ async def serving(
     app = SseApp()
     settings = h2_settings or H2Settings()
     uv = uvicorn.Config(
-        app, host="127.0.0.1", port=0, http=functools.partial(CleartextDispatch, h2_settings=settings),
+        app, host="127.0.0.1", port=0, http=functools.partial(
+            CleartextDispatch, h2_settings=settings, first_bytes=SameDelayTimers(10.0)
+        ),
         lifespan="off", log_config=None, access_log=False, timeout_keep_alive=keep_alive_s,
     )
     quic = None

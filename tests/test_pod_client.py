@@ -11,7 +11,15 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from transports.pod_client import PodBrokenError, PodClient, PodConnectError, PodConnection, PodConnectTimeout
+from transports.pod_client import (
+    PodBrokenError,
+    PodClient,
+    PodConnectError,
+    PodConnection,
+    PodConnectTimeout,
+    PodStalledError,
+    StallWatch,
+)
 
 OK_CHUNKED = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -297,5 +305,25 @@ async def test_an_idle_pooled_connection_closes_at_its_keep_alive_timeout(serve)
         await asyncio.wait_for(raw.hung_up.wait(), 5)
         assert loop.time() - idle_from >= 0.3 - 0.01  # its second idle spell's timeout
         assert raw.connections == 1
+    finally:
+        await client.close()
+
+
+async def test_a_stall_watch_started_late_looks_at_the_pods_last_bytes(serve) -> None:
+    """A stall watch started well after the pod's last bytes (the answer's head held back by a slow
+    client, say) ends the answer ``stall_s`` after those bytes, not ``stall_s`` after it started."""
+    loop = asyncio.get_running_loop()
+    head_only = OK_CHUNKED.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
+    _raw, port = await serve(lambda _n: head_only)  # the head, then silence
+    client = PodClient(1.0, 30.0)
+    try:
+        resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+        await asyncio.sleep(1.0)  # the pod's silence before the watch starts
+        started = loop.time()
+        watch = StallWatch(resp, 1.2)  # due 0.2 s from now; a first look from now would be 1.2 s
+        with pytest.raises(PodStalledError):
+            await asyncio.wait_for(resp.done, 5)
+        assert loop.time() - started < 0.9
+        watch.cancel()
     finally:
         await client.close()

@@ -7,7 +7,7 @@ import asyncio
 import types
 
 from transports.h2_dispatch import CleartextDispatch
-from transports.same_delay_timers import SameDelayTimers
+from transports.same_delay_timers import FAILED, SameDelayTimers
 
 DELAY = 0.05
 
@@ -72,41 +72,128 @@ async def test_a_key_set_again_starts_over_with_its_new_callback() -> None:
     assert ran[1][1] >= again_at + DELAY - 0.002
 
 
-async def test_a_failing_callback_spares_the_others_and_is_reported() -> None:
-    loop = asyncio.get_running_loop()
-    reported: list[dict] = []
-    loop.set_exception_handler(lambda _loop, context: reported.append(context))
-    try:
-        timers = SameDelayTimers(DELAY)
-        timers.set(loop, "bad", lambda: 1 / 0)
-        good = _fired(timers, loop, "good")
-        await asyncio.wait_for(good, 5)
-    finally:
-        loop.set_exception_handler(None)
-    assert [type(c["exception"]) for c in reported] == [ZeroDivisionError]
+class FakeLoop:
+    """The three things the timeouts ask of a loop, on a clock a test moves by hand. ``early``: how
+    much before its time each timer runs (uvloop rounds delays to its millisecond clock)."""
+
+    def __init__(self, early: float = 0.0) -> None:
+        self.now = 0.0
+        self.early = early
+        self.armed: list[tuple[float, object]] = []  # every call_at, in order
+        self.reported: list[dict] = []
+        self._pending: list[tuple[float, int, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback) -> object:
+        self.armed.append((when, callback))
+        self._pending.append((when - self.early, len(self.armed), callback))
+        return object()  # a handle (never cancelled by the timeouts)
+
+    def call_exception_handler(self, context: dict) -> None:
+        self.reported.append(context)
+
+    def run_until(self, until: float) -> None:
+        """Run the timers due by ``until`` in time order, the clock at each one's time."""
+        for _ in range(1000):  # a timer armed again and again without the clock moving: a failure
+            due = sorted(t for t in self._pending if t[0] <= until)
+            if not due:
+                break
+            self._pending.remove(due[0])
+            self.now = max(self.now, due[0][0])
+            due[0][2]()
+        else:
+            raise AssertionError("loop timers keep being armed at a time already reached")
+        self.now = until
 
 
-async def test_timeouts_set_and_cancelled_by_a_running_callback_keep_their_deadlines() -> None:
-    """A callback that sets a new timeout (an idle connection parked again, say) must not move the
-    deadline of those already waiting."""
-    loop = asyncio.get_running_loop()
-    timers = SameDelayTimers(DELAY)
-    later = loop.create_future()
-    chained = loop.create_future()
+def test_each_timeout_runs_exactly_at_its_deadline_with_one_loop_timer_armed_at_a_time() -> None:
+    loop = FakeLoop()
+    timers = SameDelayTimers(10.0)
+    ran: list[tuple[str, float]] = []
+    for at, key in ((0.0, "a"), (1.0, "b"), (2.5, "c")):
+        loop.run_until(at)
+        timers.set(loop, key, lambda key=key: ran.append((key, loop.time())))
+    loop.run_until(100.0)
+    assert ran == [("a", 10.0), ("b", 11.0), ("c", 12.5)]
+    assert [when for when, _ in loop.armed] == [10.0, 11.0, 12.5]  # one at a time, each at the next due
+
+
+def test_timeouts_set_and_cancelled_by_a_running_callback_keep_their_deadlines() -> None:
+    """A callback that sets a timeout (an idle connection parked again, say) or cancels one must not
+    move the deadlines of those already waiting, nor arm a loop timer of its own."""
+    loop = FakeLoop()
+    timers = SameDelayTimers(10.0)
+    ran: list[tuple[str, float]] = []
 
     def first() -> None:
-        timers.set(loop, "chained", lambda: chained.set_result(loop.time()))
+        ran.append(("first", loop.time()))
+        timers.set(loop, "chained", lambda: ran.append(("chained", loop.time())))
         timers.cancel("cancelled")
 
     timers.set(loop, "first", first)
-    await asyncio.sleep(DELAY / 2)
-    later_set = loop.time()
-    timers.set(loop, "later", lambda: later.set_result(loop.time()))
-    timers.set(loop, "cancelled", lambda: chained.set_exception(AssertionError("cancelled ran")))
-    later_at = await asyncio.wait_for(later, 5)
-    assert later_set + DELAY - 0.002 <= later_at < later_set + DELAY + 1.0
-    chained_at = await asyncio.wait_for(chained, 5)
-    assert chained_at > later_at
+    loop.run_until(5.0)
+    timers.set(loop, "later", lambda: ran.append(("later", loop.time())))
+    timers.set(loop, "cancelled", lambda: ran.append(("cancelled", loop.time())))
+    loop.run_until(100.0)
+    assert ran == [("first", 10.0), ("later", 15.0), ("chained", 20.0)]
+    assert [when for when, _ in loop.armed] == [10.0, 15.0, 20.0]
+
+
+def test_a_timeout_cancelled_or_set_again_by_one_due_with_it_does_not_run_then() -> None:
+    loop = FakeLoop()
+    timers = SameDelayTimers(10.0)
+    ran: list[tuple[str, float]] = []
+
+    def first() -> None:
+        ran.append(("first", loop.time()))
+        timers.cancel("cancelled")
+        timers.set(loop, "again", lambda: ran.append(("again, set again", loop.time())))
+
+    timers.set(loop, "first", first)
+    timers.set(loop, "cancelled", lambda: ran.append(("cancelled", loop.time())))
+    timers.set(loop, "again", lambda: ran.append(("again", loop.time())))
+    loop.run_until(100.0)
+    assert ran == [("first", 10.0), ("again, set again", 20.0)]
+
+
+def test_a_loop_timer_that_runs_a_hair_early_finds_its_timeout_due() -> None:
+    """uvloop's clock has millisecond steps: a timer may run just before its time. The timeout runs
+    then, instead of the loop timer being armed again and again until the clock moves on."""
+    loop = FakeLoop(early=0.0004)
+    timers = SameDelayTimers(0.3)
+    ran: list[float] = []
+    loop.run_until(0.1234)
+    timers.set(loop, "k", lambda: ran.append(loop.time()))
+    loop.run_until(10.0)
+    assert len(ran) == 1 and 0.4234 - 0.001 <= ran[0] <= 0.4234
+    assert len(loop.armed) == 1
+
+
+def test_a_failing_callback_spares_the_others_and_is_reported() -> None:
+    loop = FakeLoop()
+    timers = SameDelayTimers(1.0)
+    ran: list[str] = []
+    timers.set(loop, "bad", lambda: 1 / 0)
+    timers.set(loop, "good", lambda: ran.append("good"))
+    loop.run_until(5.0)
+    assert ran == ["good"]
+    assert [(c["message"], type(c["exception"])) for c in loop.reported] == [(FAILED, ZeroDivisionError)]
+
+
+def test_many_timeouts_due_at_once_all_run_in_one_pass_in_order() -> None:
+    """A burst of connections that all time out together (a reconnect storm, a slowloris burst)."""
+    loop = FakeLoop()
+    timers = SameDelayTimers(1.0)
+    ran: list[int] = []
+    for key in range(20_000):
+        timers.set(loop, key, lambda key=key: ran.append(key))
+    for key in range(0, 20_000, 2):
+        timers.cancel(key)
+    loop.run_until(5.0)
+    assert ran == list(range(1, 20_000, 2))
+    assert len(loop.armed) == 1 and timers.pending == 0
 
 
 class _Connections(set):

@@ -58,16 +58,14 @@ class CleartextDispatch(_Dispatch):
 
     A connection that sends nothing is closed at the request head timeout; HTTP/1.1 counts its own
     head timeout from the connection's start, not from the handover. ``first_bytes``: those
-    timeouts, shared by the listener's connections (one loop timer for all, not one set and cancelled
-    a connection); by default this connection's own."""
+    timeouts (of the head timeout's delay), one set shared by all the listener's connections: one
+    loop timer for all, not one set and cancelled a connection."""
 
-    def __init__(self, *args: Any, first_bytes: SameDelayTimers | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, first_bytes: SameDelayTimers, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.transport: asyncio.Transport | None = None
         self._head = b""
         self._started = 0.0
-        if first_bytes is None:
-            first_bytes = SameDelayTimers(self.h1_limits.head_timeout_s)
         self._first_bytes = first_bytes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -544,19 +544,27 @@ class StallWatch:
 
     The per-token path only records the time of each chunk. The first look comes ``stall_s`` after
     the watch starts, from the pool's timeouts of that delay (one loop timer shared by every stream:
-    most streams end before it); a stream still running then is looked at again at its last
-    chunk's time plus ``stall_s``, with a loop timer of its own.
+    most streams end before it), when the pod's last bytes are that recent (``FIRST_LOOK_LATE_S``);
+    a stream still running then, or a watch started long after the pod's last bytes (a client's
+    HTTP/2 window held the answer's head back, say), is looked at at its last chunk's time plus
+    ``stall_s``, with a loop timer of its own.
     """
 
     __slots__ = ("_first", "_handle", "_loop", "_resp", "_stall_s")
 
+    FIRST_LOOK_LATE_S = 0.1  # how much later than its due time a first look may come
+
     def __init__(self, resp: PodResponse, stall_s: float) -> None:
         self._resp = resp
         self._stall_s = stall_s
-        self._loop = resp._conn.loop
+        self._loop = loop = resp._conn.loop
         self._handle: asyncio.TimerHandle | None = None
-        self._first = resp._conn.pool.stall_timeouts(stall_s)
-        self._first.set(self._loop, self, self._check)
+        self._first: SameDelayTimers | None = None
+        if loop.time() - resp.last_at <= self.FIRST_LOOK_LATE_S:
+            self._first = resp._conn.pool.stall_timeouts(stall_s)
+            self._first.set(loop, self, self._check)
+        else:
+            self._handle = loop.call_at(resp.last_at + stall_s, self._check)
 
     def _check(self) -> None:
         due = self._resp.last_at + self._stall_s
@@ -567,6 +575,7 @@ class StallWatch:
             self._handle = self._loop.call_at(due, self._check)
 
     def cancel(self) -> None:
-        self._first.cancel(self)
+        if self._first is not None:
+            self._first.cancel(self)
         if self._handle is not None:
             self._handle.cancel()

@@ -59,18 +59,24 @@ class SameDelayTimers:
         assert loop is not None
         self._handle = _EXPIRING  # a callback that sets a timeout must not arm a timer of its own
         due = self._due
-        now = loop.time()
+        # The loop's clock has 1 ms steps and rounds a timer's delay: its timer may run a hair before
+        # ``when``. Within that, an entry is due (no re-arming to run a millisecond later).
+        now = loop.time() + _RESOLUTION
+        ready = []  # collected first, in one pass: a dict's first entry is found by scanning from its
+        for key, entry in due.items():  # start, past the slots of those already removed
+            if entry[0] > now:
+                break
+            ready.append((key, entry))
         try:
-            while due:
-                key, (when, callback) = next(iter(due.items()))
-                if when > now:
-                    break
+            for key, entry in ready:
+                if due.get(key) is not entry:
+                    continue  # cancelled, or set again, by a callback that ran before it
                 del due[key]
                 try:
-                    callback()
+                    entry[1]()
                 except Exception as exc:  # one timeout's failure must not keep the others from running
                     loop.call_exception_handler(
-                        {"message": "a timeout's callback failed", "exception": exc, "callback": callback}
+                        {"message": FAILED, "exception": exc, "callback": entry[1]}
                     )
         finally:
             self._handle = None
@@ -79,3 +85,5 @@ class SameDelayTimers:
 
 
 _EXPIRING = object()  # stands in for the loop timer while due callbacks run (``_expire``)
+_RESOLUTION = 0.001  # the loop clock's step (uvloop: libuv's milliseconds)
+FAILED = "a timeout's callback failed"  # the loop's exception handler's message for one
