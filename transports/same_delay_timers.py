@@ -7,8 +7,8 @@ its first bytes. Timeouts of one fixed delay expire in the order they were set, 
 a dict (which keeps insertion order) with one loop timer armed for the oldest: setting one is a
 dict insert and cancelling it a removal, ~2.8 k instructions the pair (libev's "be smart about
 timeouts"; nginx and Envoy keep their timers in trees for the same reason). The loop timer fires at
-the oldest entry's deadline exactly, runs every entry that is due, and is armed again for the next;
-an entry cancelled meanwhile costs nothing more.
+the oldest entry's deadline (to the loop clock's millisecond), runs every entry that is due, and is
+armed again for the next; an entry cancelled meanwhile costs nothing more.
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ class SameDelayTimers:
         # The loop's clock has 1 ms steps and rounds a timer's delay: its timer may run a hair before
         # ``when``. Within that, an entry is due (no re-arming to run a millisecond later).
         now = loop.time() + _RESOLUTION
-        ready = []  # collected first, in one pass: a dict's first entry is found by scanning from its
-        for key, entry in due.items():  # start, past the slots of those already removed
+        # The due ones are collected first, in one pass: finding a dict's first entry scans from its
+        # start past the slots of entries already removed, so doing it once per entry is quadratic.
+        ready = []
+        for key, entry in due.items():
             if entry[0] > now:
                 break
             ready.append((key, entry))
