@@ -116,9 +116,9 @@ def count(target: str, load: str) -> int:
                 proxy.stop()
         finally:
             pod.stop()
-        if result["errors"] or result["ok"] != streams * requests:
+        if result["errors"] or result["ok"] != _requests(load):
             samples = result.get("error_samples")
-            raise RuntimeError(f"{target} load {load}: {result['ok']}/{streams * requests} ok ({samples})")
+            raise RuntimeError(f"{target} load {load}: {result['ok']}/{_requests(load)} ok ({samples})")
         dumps = sorted(scratch.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
         return callgrind_total(dumps[0])
 

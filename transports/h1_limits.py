@@ -131,7 +131,7 @@ class GuardedH1Protocol(PromptH1Protocol):
         if self._in_head and self._head_bytes:  # a head begun and not complete
             if self._head_bytes > self._head_budget:
                 self._refuse(431, "request head too large", "request_header_fields_too_large")
-            elif head_from and self._head_timer is None:
+            elif head_from:  # its timer was not armed before this read (and parsing arms none)
                 self._head_timer = self.loop.call_at(
                     head_from + self.limits.head_timeout_s, self._head_timed_out
                 )
