@@ -12,7 +12,8 @@ repeats are interleaved across targets so slow drifts of the machine hit every t
 Scenarios (see ``SCENARIOS``): (a) one stream of sequential short requests, for the latency a proxy
 adds to time to first token; (b) 100 and (c) 500 concurrent streams at 5 ms per token, for CPU per
 token and throughput; (d) 2000 slow streams, for holding many idle-ish connections without errors;
-(e) the demo's pacing, where tokens come one per read and the proxy's idle CPU shows per token.
+(e) the demo's pacing, where tokens come one per read and the proxy's idle CPU shows per token;
+(f) d with 8 KB prompts, for the memory a proxy holds per stream for what it was asked.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Scenario:
     ttft_ms: float = 0.0
     ramp_s: float = 0.0
     think_ms: float = 0.0
+    prompt_chars: int = 0  # > 0: each request's prompt this long (``loadgen --prompt-chars``)
 
     @property
     def ideal_s(self) -> float:
@@ -89,11 +91,18 @@ SCENARIOS: dict[str, Scenario] = {
             "3 x 128 tokens",
             32, 3, 128, itl_ms=40.0, ttft_ms=120.0,
         ),
+        Scenario(
+            "f", "2000 slow streams of 50 tokens at 200 ms/token, 8 KB prompts", 2000, 1, 50, itl_ms=200.0,
+            prompt_chars=8000,
+        ),
     )
 }
 # Scenarios where the proxy's idle CPU is measured too: at a low token rate, what a proxy spends per
 # second on its own (probes, scrapes, timers) is a visible share of its CPU per token.
 IDLE_SCENARIOS = ("e",)
+# Scenarios whose CPU is reported against nginx's, not held to the 1.5x target: the demo's pacing,
+# and d's long-prompt twin (its point is memory).
+REPORTED_SCENARIOS = ("e", "f")
 IDLE_S = 5.0
 
 
@@ -187,7 +196,8 @@ def start_pod(scenario: Scenario, pin: bool) -> PodsimProcess:
         "--itl-ms", f"{scenario.itl_ms:g}",
         "--itl-per-seq-ms", "0",
         "--max-num-seqs", str(max(256, scenario.streams * 2)),
-        "--kv-blocks", str(max(100_000, scenario.streams * 64)),
+        # blocks of 16 tokens: 64 a stream, and a long prompt's (~4 characters a token, at most)
+        "--kv-blocks", str(max(100_000, scenario.streams * (64 + scenario.prompt_chars // 64))),
         "--host", "127.0.0.1",
     ]
     return PodsimProcess(args, command_prefix=pin_prefix(LOAD_CORE, pin)).start()
@@ -365,6 +375,7 @@ def run_loadgen(
         "--max-tokens", str(max_tokens or scenario.max_tokens),
         "--ramp-s", str(scenario.ramp_s),
         "--think-ms", str(scenario.think_ms),
+        *(["--prompt-chars", str(scenario.prompt_chars)] if scenario.prompt_chars else []),
         "--timeout-s", str(max(60.0, scenario.ideal_s * 10)),
         *(f"--header={name}: {value}" for name, value in (headers or {}).items()),
     ]
@@ -651,7 +662,7 @@ def check_targets(rows: list[Row]) -> list[str]:
             continue
         ratio = gw.cpu_total / ngx.cpu_total
         verdict = "met" if ratio <= 1.5 else "MISSED"
-        if key in IDLE_SCENARIOS:  # the demo's pacing: reported, with its idle share, not a target
+        if key in REPORTED_SCENARIOS:
             verdict = "reported"
         lines.append(
             f"- {verdict}: ({key}) CPU per 1000 tokens {gw.cpu_total:.1f}, "
@@ -666,6 +677,12 @@ def check_targets(rows: list[Row]) -> list[str]:
         lines.append(
             f"- {'met' if ratio <= 1.2 else 'MISSED'}: (d) peak RSS {d_gw.peak_rss_mib:.0f} MiB, "
             f"nginx's {d_ngx.peak_rss_mib:.0f} MiB: {ratio:.2f}x (<= 1.2x)"
+        )
+    f_gw, f_ngx = _find(rows, "f", "gateway"), _find(rows, "f", "nginx")
+    if f_gw and f_ngx and f_gw.peak_rss_mib and f_ngx.peak_rss_mib:
+        lines.append(
+            f"- reported: (f) peak RSS {f_gw.peak_rss_mib:.0f} MiB, nginx's {f_ngx.peak_rss_mib:.0f} MiB: "
+            f"{f_gw.peak_rss_mib / f_ngx.peak_rss_mib:.2f}x"
         )
     rss = [
         f"{r.scenario}: {r.peak_rss_mib:.0f} MiB" for r in rows if r.target == "gateway" and r.peak_rss_mib

@@ -384,11 +384,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not count a stream with fewer than max_tokens content tokens as an error",
     )
     parser.add_argument(
+        "--prompt-chars", type=int, default=0, metavar="N",
+        help="make each request's prompt N characters long (real prompts run to many KB; default: one line)",
+    )
+    parser.add_argument(
         "--header", action="append", default=[], metavar="'NAME: VALUE'",
         help="an extra request header (repeatable), e.g. 'Authorization: Bearer KEY'",
     )
     parser.add_argument("--pretty", action="store_true", help="indent the JSON summary")
     return parser
+
+
+def long_prompt(chars: int) -> str:
+    """A prompt of exactly ``chars`` characters: numbered sentences, so no two requests' prompts
+    compress to nothing and a tokenizer sees ordinary words."""
+    parts: list[str] = []
+    size = 0
+    n = 0
+    while size < chars:
+        n += 1
+        sentence = f"Sentence {n} is about sluice gates and the water they hold back. "
+        parts.append(sentence)
+        size += len(sentence)
+    return "".join(parts)[:chars]
 
 
 def _header(raw: str) -> tuple[str, str]:
@@ -414,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         check_tokens=not args.no_check_tokens,
         headers=tuple(_header(raw) for raw in args.header),
     )
+    if args.prompt_chars < 0:
+        raise SystemExit("loadgen: --prompt-chars must be 0 or more")
+    if args.prompt_chars:
+        spec.prompt = long_prompt(args.prompt_chars)
     # A short-lived process: keep the collector out of the per-token path.
     gc.freeze()
     gc.disable()
