@@ -38,11 +38,20 @@ CHUNK_ROUTES = frozenset({"chat", "completions"})
 
 @dataclass(slots=True)
 class InferenceRequest:
+    """A request as the pod gets it: ``body`` is what is sent, ``payload`` its parsed form.
+
+    Once a pod has begun to answer, ``body`` is ``SENT``: no later attempt sends it again (a retry
+    happens only before the first byte, and a resume builds its own body from ``payload``), and a
+    long prompt's bytes need not stay for the whole answer (8 KB a stream with 8 KB prompts)."""
+
     route: str
     model: str
     stream: bool
     body: bytes
     payload: dict[str, Any]
+
+
+SENT = b""  # an InferenceRequest's body once a pod is answering it
 
 
 _ID_PREFIX = os.urandom(8).hex()  # unique per gateway process; a counter makes each id unique in it

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gateway.admit import ROUTE_PATHS, InferenceRequest
+from gateway.admit import ROUTE_PATHS, SENT, InferenceRequest
 from gateway.config import Config
 from gateway.disconnect_watch import DisconnectWatch
 from gateway.errors import GatewayError, upstream_failed
@@ -167,6 +167,7 @@ class Attempt:
                 raise ex.timeout("total", self.metrics) from None
             self.registry.report_success(pod)
             reported = True
+            req.body = SENT
             if streaming:
                 await self.stream.relay(ex, pod, resp, content_type, head)
             else:
