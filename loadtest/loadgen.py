@@ -419,6 +419,8 @@ def _header(raw: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     """Run the load and print the JSON summary; exit 1 if any stream failed."""
     args = build_parser().parse_args(argv)
+    if args.prompt_chars < 0:
+        raise SystemExit("loadgen: --prompt-chars must be 0 or more")
     raise_open_file_limit()
     spec = LoadSpec(
         url=args.url,
@@ -432,8 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         check_tokens=not args.no_check_tokens,
         headers=tuple(_header(raw) for raw in args.header),
     )
-    if args.prompt_chars < 0:
-        raise SystemExit("loadgen: --prompt-chars must be 0 or more")
     if args.prompt_chars:
         spec.prompt = long_prompt(args.prompt_chars)
     # A short-lived process: keep the collector out of the per-token path.
