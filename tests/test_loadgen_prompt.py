@@ -44,9 +44,10 @@ def test_the_pod_is_sent_the_long_prompt() -> None:
         )
         summary = json.loads(done.stdout.splitlines()[-1])
         assert summary["errors"] == 0 and summary["ok"] == 2, summary["error_samples"]
-        # 100 sentences of 12 words each, and the chat template's few tokens, for each request
+        # the simulator counts words, plus 2 for the chat and 4 for the message: 6400 characters are
+        # 100 sentences of 12 words and the next one's first word
         per_request = (_prompt_tokens(pod) - before) / 2
-        assert 1200 <= per_request <= 1210
+        assert per_request == 2 + 4 + 100 * 12 + 1
 
 
 def test_a_negative_prompt_size_is_one_clear_error() -> None:
