@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -302,21 +303,28 @@ def test_request_ids_are_unique_across_forked_workers(gateway: GatewayProcess) -
     assert len({rid[:16] for rid in ids}) == 2, ids
 
 
-def test_forked_workers_and_the_template_leave_when_the_supervisor_is_killed(
-    pod: PodsimProcess, counting_pod: str
-) -> None:
-    """SIGKILL leaves the supervisor no chance to tell anyone: its workers see it gone (the
-    supervisor itself, not their parent, the template), drain and exit, and the template exits."""
-    config = _config(pod, counting_pod)
-    del config["tiers"]  # no shared state: no private redis-server to leave behind
-    with GatewayProcess(config, extra_args=["--workers", "2"]) as gw:
+@needs_redis_server()
+def test_nothing_is_left_behind_when_the_supervisor_is_killed(pod: PodsimProcess, counting_pod: str) -> None:
+    """SIGKILL (the OOM killer, a hard stop) leaves the supervisor no chance to tell anyone or
+    clean up: its workers see it gone (the supervisor itself, not their parent, the template),
+    drain and exit; the template exits and removes the supervisor's directory of sockets; and the
+    private redis-server the workers shared quotas through goes with the supervisor."""
+    with GatewayProcess(_config(pod, counting_pod), extra_args=["--workers", "2"]) as gw:
         (template,) = _python_children(gw.pid)
         workers = _python_children(template)
         assert len(workers) == 2, workers
+        (redis,) = set(_children(gw.pid)) - {template}
+        assert b"redis-server" in Path(f"/proc/{redis}/cmdline").read_bytes()
+        (url,) = re.findall(r"private redis-server at unix://(\S+)", gw.log())
+        directory = Path(url).parent
+        assert directory.name.startswith("sluicegate-workers-") and (directory / "feed.sock").exists()
         gw.proc.kill()  # type: ignore[union-attr]
         gw.proc.wait()  # type: ignore[union-attr]
-        assert wait_for(lambda: not any(_alive(p) for p in (template, *workers)), timeout_s=20), gw.log()
+        left = (template, *workers, redis)
+        gone = wait_for(lambda: not any(_alive(p) for p in left), timeout_s=20)
+        assert gone, ([*map(_alive, left)], gw.log())
         assert gw.log().count("the supervisor exited; draining") == 2, gw.log()
+        assert not directory.exists(), sorted(p.name for p in directory.iterdir())
 
 
 _MANY_SPAWNS = """

@@ -1,7 +1,11 @@
 """A private ``redis-server`` for the workers of one host, when the config shares state (quotas,
 leases, canary rollouts) but names no Redis: started on a Unix socket in the supervisor's private
 directory, nothing persisted, stopped with the supervisor. Workers are replicas on one host, and
-this is how replicas agree (``gateway.quota.redis_store``, ``gateway.canary.shared``)."""
+this is how replicas agree (``gateway.quota.redis_store``, ``gateway.canary.shared``).
+
+A supervisor killed outright (``SIGKILL``, the OOM killer) cannot stop it, so the kernel does: it
+is started through util-linux's ``setpriv --pdeathsig``, and gets a SIGTERM when the supervisor
+dies, however it dies. Without ``setpriv`` (not Debian's util-linux) it is started plainly."""
 
 from __future__ import annotations
 
@@ -46,8 +50,8 @@ class LocalRedis:
         if binary is None:
             raise ConfigError(MISSING)
         self.proc = subprocess.Popen(
-            [binary, "--port", "0", "--unixsocket", self.path, "--unixsocketperm", "700", "--save", "",
-             "--appendonly", "no", "--loglevel", "warning"],
+            [*_dies_with_us(), binary, "--port", "0", "--unixsocket", self.path, "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         )
         import redis  # here, not at the top: a `serve` that never starts one does not load redis-py
@@ -82,3 +86,11 @@ class LocalRedis:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def _dies_with_us() -> list[str]:
+    """The command prefix that has the kernel send the server SIGTERM when this process dies (its
+    parent-death signal, which ``exec`` keeps); none where ``setpriv`` is missing. A ``preexec_fn``
+    calling ``prctl`` would do the same without it, but is unsafe in a process running threads."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "SIGTERM", "--"] if setpriv is not None else []

@@ -101,7 +101,8 @@ class Supervisor:
     def run(self) -> int:
         # before any thread: workers are forked from it, sharing the gateway's imported code
         shared = self.config.quotas.redis_url is not None or needs_shared_state(self.config)
-        self.template = WorkerTemplate.start(PRELOAD + SHARED_STATE if shared else PRELOAD)
+        preload = PRELOAD + SHARED_STATE if shared else PRELOAD
+        self.template = WorkerTemplate.start(preload, leftovers=self.dir)
         try:
             return self._run()
         finally:

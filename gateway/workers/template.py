@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -100,9 +101,10 @@ class WorkerTemplate:
         self.alive = True
 
     @classmethod
-    def start(cls, preload: tuple[str, ...] = PRELOAD) -> WorkerTemplate | None:
+    def start(cls, preload: tuple[str, ...] = PRELOAD, leftovers: str | None = None) -> WorkerTemplate | None:
         """Import ``preload`` and fork the template; None (workers are exec'd) where this process
-        must not fork."""
+        must not fork. ``leftovers``: a directory the template removes when the supervisor is gone
+        (its sockets: a supervisor killed outright cannot remove them itself)."""
         for module in preload:  # here, so that the supervisor shares these pages too
             __import__(module)
         gc.collect()
@@ -123,7 +125,7 @@ class WorkerTemplate:
             return None
         if pid == 0:
             ours.close()
-            _template_main(theirs)  # never returns
+            _template_main(theirs, leftovers)  # never returns
         theirs.close()
         ours.setblocking(False)
         return cls(pid, ours)
@@ -244,8 +246,9 @@ def _watch_pidfd(loop: asyncio.AbstractEventLoop, pid: int, worker: ForkedWorker
 # -- the template process ------------------------------------------------------------------------------
 
 
-def _template_main(sock: socket.socket) -> None:
-    """Fork a worker per request until the supervisor's socket closes; reap them, report their exits."""
+def _template_main(sock: socket.socket, leftovers: str | None) -> None:
+    """Fork a worker per request until the supervisor's socket closes; reap them, report their exits.
+    Then remove ``leftovers``: the supervisor has gone, cleanly (it removes them too) or not."""
     code = 0
     try:
         with open("/proc/self/comm") as comm:
@@ -267,6 +270,8 @@ def _template_main(sock: socket.socket) -> None:
             if sock in ready:
                 data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
                 if not data:
+                    if leftovers is not None:
+                        shutil.rmtree(leftovers, ignore_errors=True)
                     break
                 message = json.loads(data)
                 pid = os.fork()
