@@ -25,6 +25,10 @@ from urllib.parse import urlsplit
 
 from loadtest.procs import terminate
 
+# Idle upstream connections nginx keeps (``keepalive``): above the largest load's streams, so the
+# warm-up's connections are all reused. ``bench.gateway_config`` gives the gateway the same pool.
+UPSTREAM_KEEPALIVE = 4096
+
 CONFIG_TEMPLATE = """\
 daemon off;
 master_process on;
@@ -99,7 +103,7 @@ def render_config(
     *,
     workers: int = 1,
     connections: int = 16384,
-    keepalive: int = 4096,
+    keepalive: int = UPSTREAM_KEEPALIVE,
     backlog: int = 4096,
     h2c_listen: str | None = None,
     tls_listen: str | None = None,
