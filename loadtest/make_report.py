@@ -135,8 +135,9 @@ def chart_ttft(bench: dict[str, Any], out: Path) -> str:
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Time to first token by percentile: direct vs gateway vs nginx", fontsize=10)
     _save(plt, fig, out)
-    return ("TTFT percentiles (p50, p90, p99, max; medians over repeats) for scenarios a-d, straight to "
-            "the pod, through the gateway and through nginx: how far apart the lines sit is what each "
+    drawn = f"{keys[0]}-{keys[-1]}" if len(keys) > 1 else keys[0]
+    return (f"TTFT percentiles (p50, p90, p99, max; medians over repeats) for scenarios {drawn}, straight "
+            "to the pod, through the gateway and through nginx: how far apart the lines sit is what each "
             "proxy adds.")
 
 
