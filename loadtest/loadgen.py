@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def long_prompt(chars: int) -> str:
-    """A prompt of exactly ``chars`` characters: numbered sentences, so no two requests' prompts
-    compress to nothing and a tokenizer sees ordinary words."""
+    """A prompt of exactly ``chars`` characters: numbered sentences, so that it is not one sentence
+    repeated (which would compress to nothing) and a tokenizer sees ordinary words."""
     parts: list[str] = []
     size = 0
     n = 0

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from gateway.config import UpstreamConfig
 from loadtest.bench import Scenario, auth_headers, gateway_config, run_loadgen, start_gateway, start_pod
+from tests.test_podsim import metric_value
 
 DEFAULT_IDLE = UpstreamConfig().max_idle_per_pod  # 512
 STREAMS = 600  # more than that
 
 
 def _pod_connections(admin_url: str) -> float:
-    text = httpx.get(admin_url + "/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "sluicegate_upstream_connections":
-            return family.samples[0].value
-    raise AssertionError("no sluicegate_upstream_connections in /metrics")
+    return metric_value(admin_url, "sluicegate_upstream_connections", "sluicegate_upstream_connections")
 
 
 def test_the_gateway_keeps_a_pod_connection_for_every_warm_up_stream(tmp_path: Path) -> None:

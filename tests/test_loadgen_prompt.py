@@ -10,21 +10,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
 from loadtest.bench import Row, check_targets
 from loadtest.loadgen import long_prompt
 from loadtest.podsim.launch import PodsimProcess
+from tests.test_podsim import metric_value
 
 MODEL = "prompt-model"
 
 
 def _prompt_tokens(pod: PodsimProcess) -> float:
-    text = urllib.request.urlopen(pod.url + "/metrics", timeout=10).read().decode()
-    lines = text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:prompt_tokens_total"))
+    return metric_value(pod.url, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
 
 
 @pytest.mark.parametrize("chars", [1, 5000])
