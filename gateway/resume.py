@@ -14,12 +14,15 @@ import json
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.admit import CHUNK_ROUTES, encode_body
 from transports import sse
 from transports.client_socket import Sink
 from transports.pod_client import PodBrokenError
+
+if TYPE_CHECKING:
+    from gateway.usage import UsageTap
 
 
 class RolledBack(PodBrokenError):
@@ -317,19 +320,34 @@ class Recorder:
         self.sink(out.append)(body)
         return b"".join(out)
 
-    def sink(self, write: Callable[[bytes], None], on_break: Callable[[], None] | None = None) -> Sink:
-        """The per-read path of a recorded stream, in one frame (it runs for every token): complete
-        events are recorded and written, a partial one held back; at a pod's error event what came
-        before it is passed on, nothing after, and ``on_break`` is called."""
+    def sink(
+        self,
+        write: Callable[[bytes], None],
+        on_break: Callable[[], None] | None = None,
+        tap: UsageTap | None = None,
+    ) -> Sink:
+        """The per-read path of a recorded stream (it runs for every token): complete events are
+        recorded and written, a partial one held back; at a pod's error event what came before it is
+        passed on, nothing after, and ``on_break`` is called. ``tap``: the stream's usage tap, which
+        gets the recorded bytes before ``write`` does.
+
+        A token's read is one whole event, none held before it, no error, no usage: that read takes
+        the first way, in one frame, and goes to ``write`` itself, since the tap would pass it on
+        untouched (with a recorder it counts nothing). Every other read takes ``general``'s way.
+        Each call on a read costs ~1 k instructions in Python 3.11 (``bytes.find`` parses its
+        arguments from a tuple): the first way makes ~1.1 k fewer than the general way followed by
+        the tap's (``bench_readpath``: 16.1 k -> 15.1 k a read, every feature on)."""
         log = self.log
         open_reads = log.open_reads  # the log's own ``append``, inline: this runs for every token
         error_event = sse.ERROR_EVENT
+        usage_mark = sse.USAGE_MARK
+        passed = write if tap is None else tap.wrap(write, count=False)
 
-        def recording(body: bytes) -> None:
+        def general(body: bytes) -> None:
             if self.broken:
                 return
             data = self.tail + body if self.tail else body
-            if data[-2:] == b"\n\n":  # the usual read, whole events: no search, no slices
+            if data[-2:] == b"\n\n":
                 self.tail = b""
                 out = data
             else:
@@ -350,8 +368,24 @@ class Recorder:
             if log.open_size >= _BLOCK:
                 log.seal()
             if out:
-                write(out)
+                passed(out)
             if self.broken and on_break is not None:
                 on_break()
+
+        def recording(body: bytes) -> None:
+            if (
+                self.tail or self.broken or self.splicer is not None or body[-2:] != b"\n\n"
+                or body.find(error_event) != -1
+            ):  # fmt: skip
+                general(body)
+                return
+            open_reads.append(body)
+            log.open_size += len(body)
+            if log.open_size >= _BLOCK:
+                log.seal()
+            if tap is not None and (tap.held or body.find(usage_mark) != -1):
+                passed(body)
+            else:
+                write(body)
 
         return recording

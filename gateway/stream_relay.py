@@ -397,9 +397,10 @@ def read_sink(
 ) -> Callable[[bytes], None]:
     """What every pod read goes through on its way to ``write``: the finish watch, the recorder, the
     usage tap (each only when the stream has one)."""
-    if tap is not None:  # with a recorder, tokens relayed are counted from it (see _record_usage)
-        write = tap.wrap(write, count=recorder is None)
-    sink = write if recorder is None else recorder.sink(write, functools.partial(_broken_by_its_pod, resp))
+    if recorder is not None:  # it passes reads on to the tap; tokens relayed are counted from it
+        sink = recorder.sink(write, functools.partial(_broken_by_its_pod, resp), tap)
+    else:
+        sink = write if tap is None else tap.wrap(write)
     return sink if finish is None else finish.wrap(sink)
 
 

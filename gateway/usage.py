@@ -31,8 +31,8 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from transports import json_bytes, sse
 from transports.pod_client import PodResponse
+from transports.sse import USAGE_MARK
 
-USAGE_MARK = b'"choices":[],"usage":'  # vLLM's (and podsim's) compact usage chunk
 _NOT_USAGE = b'"choices":[{'  # an event with a choice in it is a token chunk
 _ROLE_ONLY = b'"delta":{"role":"assistant","content":""}'  # chat's opening chunk: no token
 _DONE = b"data: [DONE]"

@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 
 from gateway import resume
 from gateway.resume import SentLog
+from gateway.usage import UsageTap
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 
@@ -222,3 +224,34 @@ def test_the_recorded_splice_passes_whole_events_and_stops_at_a_pod_error(seed: 
     assert b"".join(written) == (b"".join(events) if broken else stream)
     assert recorder.sent == b"".join(written)
     assert len(breaks) == (1 if broken else 0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_recorded_stream_under_a_quota_loses_only_the_usage_it_was_not_asked_for(seed: int) -> None:
+    """A resumable stream under a quota, as the relay chains it (recorder, then usage tap): a token
+    a read or reads cut anywhere, the client gets every event in order, less the usage event when
+    the gateway asked for it on the client's behalf; the tap has the pod's usage either way, and the
+    log reads back everything the pod sent before ``[DONE]``."""
+    rng = random.Random(seed)
+    events = [_EVENT] * rng.randrange(1, 40)
+    usage = b'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n'
+    done = b"data: [DONE]\n\n"
+    stream = b"".join(events) + usage + done
+    if seed % 3 == 0:  # a paced pod: one event a read, the way nearly every token goes
+        reads = [*events, usage, done]
+    else:
+        cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(1, 30))))
+        reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    strip = seed % 2 == 0
+    exchange = SimpleNamespace(usage_injected=strip, admission=object(), tokens_relayed=0)
+    tap = UsageTap(exchange)  # type: ignore[arg-type]
+
+    recorder = resume.Recorder()
+    written: list[bytes] = []
+    sink = recorder.sink(written.append, None, tap)
+    for read in reads:
+        sink(read)
+    assert all(part.endswith(b"\n\n") for part in written)
+    assert b"".join(written) == (b"".join(events) + done if strip else stream)
+    assert tap.usage == {"prompt_tokens": 7, "completion_tokens": 3}
+    assert recorder.sent == stream

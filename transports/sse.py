@@ -18,6 +18,7 @@ from transports import json_bytes
 
 DONE = b"[DONE]"
 ERROR_EVENT = b'data: {"error"'  # vLLM's in-stream error event (../shared/wire/vllm-midstream-error.txt)
+USAGE_MARK = b'"choices":[],"usage":'  # vLLM's (and podsim's) compact usage chunk (include_usage)
 
 
 class MalformedEvent(ValueError):
