@@ -7,6 +7,7 @@ SIGTERM drains the streams in flight on both workers and exits 0, and bad input 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -304,23 +305,36 @@ def test_request_ids_are_unique_across_forked_workers(gateway: GatewayProcess) -
 
 
 @needs_redis_server()
-def test_nothing_is_left_behind_when_the_supervisor_is_killed(pod: PodsimProcess, counting_pod: str) -> None:
+@pytest.mark.parametrize("template", ["alive", "killed"])
+def test_nothing_is_left_behind_when_the_supervisor_is_killed(
+    pod: PodsimProcess, counting_pod: str, template: str
+) -> None:
     """SIGKILL (the OOM killer, a hard stop) leaves the supervisor no chance to tell anyone or
     clean up: its workers see it gone (the supervisor itself, not their parent, the template),
-    drain and exit; the template exits and removes the supervisor's directory of sockets; and the
-    private redis-server the workers shared quotas through goes with the supervisor."""
+    drain and exit; the supervisor's directory of sockets is removed, by the template or, where
+    the template died before (one worker then exec'd), by the last worker out; and the private
+    redis-server the workers shared quotas through goes with the supervisor."""
     with GatewayProcess(_config(pod, counting_pod), extra_args=["--workers", "2"]) as gw:
-        (template,) = _python_children(gw.pid)
-        workers = _python_children(template)
+        (forker,) = _python_children(gw.pid)
+        workers = _python_children(forker)
         assert len(workers) == 2, workers
-        (redis,) = set(_children(gw.pid)) - {template}
+        (redis,) = set(_children(gw.pid)) - {forker}
         assert b"redis-server" in Path(f"/proc/{redis}/cmdline").read_bytes()
         (url,) = re.findall(r"private redis-server at unix://(\S+)", gw.log())
         directory = Path(url).parent
         assert directory.name.startswith("sluicegate-workers-") and (directory / "feed.sock").exists()
+        if template == "killed":
+            subprocess.run(["kill", "-KILL", str(forker)], check=True)
+            assert wait_for(lambda: "worker template" in gw.log(), timeout_s=10), gw.log()
+            subprocess.run(["kill", "-KILL", str(workers[0])], check=True)
+            restarts = functools.partial(_gauge, gw.admin_url, "sluicegate_worker_restarts_total")
+            assert wait_for(lambda: restarts() == 1, timeout_s=20)
+            assert wait_for(lambda: _gauge(gw.admin_url, "sluicegate_workers") == 2, timeout_s=20)
+            (exec_d,) = set(_python_children(gw.pid)) - {forker}
+            workers = [exec_d, workers[1]]
         gw.proc.kill()  # type: ignore[union-attr]
         gw.proc.wait()  # type: ignore[union-attr]
-        left = (template, *workers, redis)
+        left = (forker, *workers, redis)
         gone = wait_for(lambda: not any(_alive(p) for p in left), timeout_s=20)
         assert gone, ([*map(_alive, left)], gw.log())
         assert gw.log().count("the supervisor exited; draining") == 2, gw.log()

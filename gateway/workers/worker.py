@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -77,8 +78,26 @@ def feed_path(directory: str) -> str:
     return str(Path(directory) / "feed.sock")
 
 
+ADMIN_SOCKET_PREFIX = "worker-"
+
+
 def admin_path(directory: str, index: int) -> str:
-    return str(Path(directory) / f"worker-{index}.sock")
+    return str(Path(directory) / f"{ADMIN_SOCKET_PREFIX}{index}.sock")
+
+
+def leave_the_directory(spec: WorkerSpec) -> None:
+    """A worker leaving after its supervisor died: remove its admin socket and, the last worker out,
+    the supervisor's directory (the feed socket, the private Redis's). A supervisor that was killed
+    could not remove it. While the worker template lives it removes the directory itself; this is
+    for when it does not (workers exec'd, or the template died)."""
+    with contextlib.suppress(OSError):
+        os.unlink(spec.admin_path)
+    try:
+        others = [name for name in os.listdir(spec.dir) if name.startswith(ADMIN_SOCKET_PREFIX)]
+    except OSError:
+        return  # gone already
+    if not others:
+        shutil.rmtree(spec.dir, ignore_errors=True)
 
 
 def _pidfd(pid: int) -> int:
@@ -121,6 +140,7 @@ class WorkerLink:
             raise RuntimeError(f"no pod snapshot from the supervisor within {FIRST_SNAPSHOT_S:g} s") from None
 
     async def close(self) -> None:
+        orphaned = self._supervisor_gone()
         if self._flush is not None:
             self._flush.cancel()
         self._send_outcomes()
@@ -133,6 +153,8 @@ class WorkerLink:
         if self._supervisor >= 0:
             os.close(self._supervisor)
             self._supervisor = -1
+        if orphaned:
+            leave_the_directory(self.spec)
 
     def _supervisor_gone(self) -> bool:
         if self._supervisor < 0:  # no pidfd: the parent then is the supervisor, or is not any more
