@@ -336,7 +336,7 @@ class Recorder:
         untouched (with a recorder it counts nothing). Every other read takes ``general``'s way.
         Each call on a read costs ~1 k instructions in Python 3.11 (``bytes.find`` parses its
         arguments from a tuple): the first way makes ~1.1 k fewer than the general way followed by
-        the tap's (``bench_readpath``: 16.1 k -> 15.1 k a read, every feature on)."""
+        the tap's (``bench_readpath``: 16.1 k -> 15.0 k a read, every feature on)."""
         log = self.log
         open_reads = log.open_reads  # the log's own ``append``, inline: this runs for every token
         error_event = sse.ERROR_EVENT
