@@ -2,7 +2,9 @@
 frames, less work.
 
 Measured with 50 streams of tokens on one connection (``loadtest/bench_transports``' h3 row),
-aioquic spent most of the gateway's CPU not on packets but on looking for something to put in them:
+aioquic spent most of the gateway's CPU not on packets but on looking for something to put in them
+(the first three), or, once the connection was fast, on waking for packets its pacer held back (the
+fourth):
 
 - ``QuicStreamSender.buffer_is_empty`` is cleared only when ``get_frame`` is called and finds
   nothing, so every stream that sent leaves a stale flag, and the next packet of every transmit
