@@ -309,6 +309,25 @@ async def test_an_idle_pooled_connection_closes_at_its_keep_alive_timeout(serve)
         await client.close()
 
 
+async def test_a_stall_watch_started_a_little_late_waits_in_the_pools_shared_timeouts(serve) -> None:
+    """A burst of streams starts its watches a little after their pods' first bytes (the loop
+    admits them in turn). Up to ``FIRST_LOOK_LATE`` of ``stall_s`` late, a watch waits in the pool's
+    shared timeouts like one started at once, holding no loop timer of its own."""
+    head_only = OK_CHUNKED.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
+    _raw, port = await serve(lambda _n: head_only)
+    client = PodClient(1.0, 30.0)
+    try:
+        resp = await client.request("127.0.0.1", port, "/v1/chat/completions", [], b"{}")
+        await asyncio.sleep(0.3)  # the loop busy with the rest of the burst: well under 5 % of 30 s
+        shared = client.stall_timeouts(30.0)
+        watch = StallWatch(resp, 30.0)
+        assert shared.pending == 1 and watch._handle is None
+        watch.cancel()
+        assert shared.pending == 0
+    finally:
+        await client.close()
+
+
 async def test_a_stall_watch_started_late_looks_at_the_pods_last_bytes(serve) -> None:
     """A stall watch started well after the pod's last bytes (the answer's head held back by a slow
     client, say) ends the answer ``stall_s`` after those bytes, not ``stall_s`` after it started."""

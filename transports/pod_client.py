@@ -544,15 +544,19 @@ class StallWatch:
 
     The per-token path only records the time of each chunk. The first look comes ``stall_s`` after
     the watch starts, from the pool's timeouts of that delay (one loop timer shared by every stream:
-    most streams end before it), when the pod's last bytes are that recent (``FIRST_LOOK_LATE_S``);
-    a stream still running then, or a watch started long after the pod's last bytes (a client's
-    HTTP/2 window held the answer's head back, say), is looked at at its last chunk's time plus
-    ``stall_s``, with a loop timer of its own.
+    most streams end before it), when the pod's last bytes are recent enough that it comes at most
+    ``FIRST_LOOK_LATE`` of ``stall_s`` late; a stream still running then, or a watch started long
+    after the pod's last bytes (a client's HTTP/2 window held the answer's head back, say), is
+    looked at at its last chunk's time plus ``stall_s``, with a loop timer of its own.
+
+    The tolerance is a share of ``stall_s``, not a fixed time: a burst of 2000 streams starts its
+    watches up to a second after their pods' first bytes (the loop admits them in turn), and with a
+    fixed 0.1 s every one of them took a loop timer of its own (~0.5 KB a stream for its life).
     """
 
     __slots__ = ("_first", "_handle", "_loop", "_resp", "_stall_s")
 
-    FIRST_LOOK_LATE_S = 0.1  # how much later than its due time a first look may come
+    FIRST_LOOK_LATE = 0.05  # of stall_s: how much later than its due time a first look may come
 
     def __init__(self, resp: PodResponse, stall_s: float) -> None:
         self._resp = resp
@@ -560,7 +564,7 @@ class StallWatch:
         self._loop = loop = resp._conn.loop
         self._handle: asyncio.TimerHandle | None = None
         self._first: SameDelayTimers | None = None
-        if loop.time() - resp.last_at <= self.FIRST_LOOK_LATE_S:
+        if loop.time() - resp.last_at <= stall_s * self.FIRST_LOOK_LATE:
             self._first = resp._conn.pool.stall_timeouts(stall_s)
             self._first.set(loop, self, self._check)
         else:
