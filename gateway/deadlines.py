@@ -12,9 +12,16 @@ from dataclasses import dataclass
 
 from gateway.config import Config, StageOverrides
 from gateway.errors import GatewayError, bad_request
+from transports.same_delay_timers import OrderedTimers
 
 CLIENT_TIMEOUT_HEADER = b"x-request-timeout-ms"
 STAGES = ("connect", "first_token", "stall", "total")
+
+# Where the request path's deadlines wait (``transports.deadline.Deadline``), one set per stage: a
+# stage's deadline is the request's arrival plus its budget, so those of one stage fall due in the
+# order they are set but for a tier or model with a shorter budget (those take a loop timer each).
+FIRST_TOKEN_DEADLINES = OrderedTimers()
+TOTAL_DEADLINES = OrderedTimers()
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from gateway.admit import CHUNK_ROUTES, InferenceRequest
 from gateway.completeness import FinishWatch, choices_of, incomplete
 from gateway.config import Config
+from gateway.deadlines import FIRST_TOKEN_DEADLINES, TOTAL_DEADLINES
 from gateway.errors import GatewayError, upstream_failed, upstream_truncated
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
@@ -199,7 +200,7 @@ class StreamRelay:
         stall = StallWatch(resp, ex.budget.stall_s)
         reads = resp.chunks  # those of the head, already counted
         try:
-            with Deadline(ex.task, ex.deadline):
+            with Deadline(ex.task, ex.deadline, TOTAL_DEADLINES):
                 if socket is not None:
                     resp.splice(read_sink(socket.writer(resp), resp, recorder, finish, tap))
                     await resp.done
@@ -297,7 +298,8 @@ class StreamRelay:
             if previous is None and wants_usage(req.payload):  # the client's prompt, counted meanwhile
                 counting = asyncio.ensure_future(self._prompt_tokens(ex, req, pod))
             try:
-                with Deadline(ex.task, min(loop.time() + ex.budget.first_token_s, ex.deadline)):
+                first_token_at = min(loop.time() + ex.budget.first_token_s, ex.deadline)
+                with Deadline(ex.task, first_token_at, FIRST_TOKEN_DEADLINES):
                     resp = await self._connect(ex, cont, pod, ex.headers)
                     assert ex.watch is not None
                     ex.watch.upstream = resp

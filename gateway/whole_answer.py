@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from gateway.deadlines import TOTAL_DEADLINES
 from gateway.degrade import as_sse
 from gateway.errors import upstream_failed, upstream_truncated
 from gateway.exchange import Exchange
@@ -25,7 +26,7 @@ async def relay_whole(
 ) -> None:
     """Read the pod's whole answer and send it to the client as one response."""
     try:
-        with Deadline(ex.task, ex.deadline):
+        with Deadline(ex.task, ex.deadline, TOTAL_DEADLINES):
             body = await resp.read_all()
     except TimeoutError:
         raise ex.timeout("total", metrics) from None

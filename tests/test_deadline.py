@@ -12,12 +12,16 @@ from typing import Any
 import pytest
 
 from transports.deadline import Deadline
+from transports.same_delay_timers import OrderedTimers
 
 Scope = Callable[[float], Any]
+SHARED = OrderedTimers()  # the scope that waits in shared timers: each case's loop takes it over
 
 
 class _Ours:
     """``Deadline`` behind the asynchronous interface the cases are written against."""
+
+    timers: OrderedTimers | None = None
 
     def __init__(self, when: float) -> None:
         self.when = when
@@ -25,14 +29,20 @@ class _Ours:
     async def __aenter__(self) -> Deadline:
         task = asyncio.current_task()
         assert task is not None
-        self.deadline = Deadline(task, self.when)
+        self.deadline = Deadline(task, self.when, self.timers)
         return self.deadline.__enter__()
 
     async def __aexit__(self, *exc: Any) -> None:
         self.deadline.__exit__(*exc)
 
 
-SCOPES: dict[str, Scope] = {"asyncio": asyncio.timeout_at, "ours": _Ours}
+class _OursShared(_Ours):
+    """``Deadline`` waiting in shared ``OrderedTimers`` (one due before a pending one: its own timer)."""
+
+    timers = SHARED
+
+
+SCOPES: dict[str, Scope] = {"asyncio": asyncio.timeout_at, "ours": _Ours, "ours, shared": _OursShared}
 
 
 async def _in_time(scope: Scope, loop: asyncio.AbstractEventLoop) -> Any:
@@ -148,10 +158,44 @@ def _outcome(case: Callable[[Scope, asyncio.AbstractEventLoop], Awaitable[Any]],
     return asyncio.run(main())
 
 
+@pytest.mark.parametrize("scope", ["ours", "ours, shared"])
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.strip("_") for c in CASES])
-def test_it_ends_as_asyncios_timeout_at_does(case: Any) -> None:
-    ours, theirs = _outcome(case, SCOPES["ours"]), _outcome(case, SCOPES["asyncio"])
+def test_it_ends_as_asyncios_timeout_at_does(case: Any, scope: str) -> None:
+    ours, theirs = _outcome(case, SCOPES[scope]), _outcome(case, SCOPES["asyncio"])
     assert ours == theirs
+
+
+def test_deadlines_in_order_share_one_set_and_one_due_earlier_takes_a_timer_of_its_own() -> None:
+    """The request path's deadlines of one stage fall due in the order they are set: they wait in one
+    set of timers, none with a loop timer of its own, and each still ends its block in time. One
+    that falls due before a pending one (a tier with a shorter budget) takes its own, and ends in time."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        timers = OrderedTimers()
+
+        async def block(after: float) -> tuple[float, float]:
+            task = asyncio.current_task()
+            assert task is not None
+            begun = loop.time()
+            deadline = Deadline(task, begun + after, timers)
+            with pytest.raises(TimeoutError), deadline:
+                await loop.create_future()
+            return begun + after, loop.time()
+
+        late = [asyncio.create_task(block(0.2)) for _ in range(3)]
+        await asyncio.sleep(0)  # all three entered, in order
+        assert timers.pending == 3
+        early = asyncio.create_task(block(0.05))
+        await asyncio.sleep(0)
+        assert timers.pending == 3  # due before them: a loop timer of its own
+        results = await asyncio.wait_for(asyncio.gather(early, *late), 5)
+        for due, ended in results:
+            assert due - 0.002 <= ended < due + 0.5  # the loop's clock has 1 ms steps
+        assert results[0][1] < min(ended for _, ended in results[1:])
+        assert timers.pending == 0
+
+    asyncio.run(main())
 
 
 def test_a_deadline_is_entered_once() -> None:

@@ -7,7 +7,7 @@ import asyncio
 import types
 
 from transports.h2_dispatch import CleartextDispatch
-from transports.same_delay_timers import FAILED, SameDelayTimers
+from transports.same_delay_timers import FAILED, OrderedTimers, SameDelayTimers
 
 DELAY = 0.05
 
@@ -72,6 +72,21 @@ async def test_a_key_set_again_starts_over_with_its_new_callback() -> None:
     assert ran[1][1] >= again_at + DELAY - 0.002
 
 
+async def test_a_time_set_after_a_later_one_was_cancelled_still_runs_at_its_own_time() -> None:
+    """A cancelled timeout leaves the loop timer armed for its time. ``OrderedTimers`` takes an
+    earlier time once none is pending (a request with a shorter budget after one with a longer):
+    it must not wait for that stale timer."""
+    loop = asyncio.get_running_loop()
+    timers = OrderedTimers()
+    assert timers.set_at(loop, "long budget", loop.time() + 30.0, lambda: None)
+    timers.cancel("long budget")
+    done: asyncio.Future[float] = loop.create_future()
+    due = loop.time() + DELAY
+    assert timers.set_at(loop, "short budget", due, lambda: done.set_result(loop.time()))
+    ran = await asyncio.wait_for(done, 5)
+    assert due - 0.002 <= ran < due + 1.0
+
+
 class FakeLoop:
     """The three things the timeouts ask of a loop, on a clock a test moves by hand. ``early``: how
     much before its time each timer runs (uvloop rounds delays to its millisecond clock)."""
@@ -118,6 +133,27 @@ def test_each_timeout_runs_exactly_at_its_deadline_with_one_loop_timer_armed_at_
     loop.run_until(100.0)
     assert ran == [("a", 10.0), ("b", 11.0), ("c", 12.5)]
     assert [when for when, _ in loop.armed] == [10.0, 11.0, 12.5]  # one at a time, each at the next due
+
+
+def test_times_set_in_order_run_at_their_times_and_one_earlier_than_a_pending_one_is_refused() -> None:
+    """``OrderedTimers`` takes deadlines as times, in the order they fall due: one earlier than a
+    pending one is refused, and nothing of it is set; once none is pending, any time is taken."""
+    loop = FakeLoop()
+    timers = OrderedTimers()
+    ran: list[tuple[str, float]] = []
+
+    def at(key: str, when: float) -> bool:
+        return timers.set_at(loop, key, when, lambda: ran.append((key, loop.time())))
+
+    assert at("a", 10.0) and at("b", 10.0) and at("c", 12.0)
+    assert not at("early", 11.0)
+    assert timers.pending == 3
+    loop.run_until(100.0)
+    assert ran == [("a", 10.0), ("b", 10.0), ("c", 12.0)]
+    assert [when for when, _ in loop.armed] == [10.0, 12.0]
+    assert at("after", 11.0)  # refused before, while "c" was pending; already past, so it runs at once
+    loop.run_until(200.0)
+    assert ran[-1] == ("after", 100.0)
 
 
 def test_timeouts_set_and_cancelled_by_a_running_callback_keep_their_deadlines() -> None:

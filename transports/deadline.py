@@ -13,6 +13,11 @@ that cancellation (and no other pending on the task since the block was entered)
 ``TimeoutError`` from it; a cancellation from elsewhere passes through, even when the deadline
 expired in the same turn; a deadline already past cancels the task's next step; a scope is entered once.
 ``tests/test_deadline.py`` runs the same cases through both.
+
+Given ``timers`` (``OrderedTimers``: the deadlines of one kind, which fall due in the order they
+are set), a deadline waits there instead of in a loop timer of its own (~7-9 k instructions and
+~0.6 KB each, for deadlines that almost never pass); one that would fall due before a pending one
+takes its own timer, as without.
 """
 
 from __future__ import annotations
@@ -20,17 +25,20 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
+from transports.same_delay_timers import OrderedTimers
+
 _CancelledError = asyncio.CancelledError
 
 
 class Deadline:
     """Cancel ``task`` at loop time ``when`` unless the ``with`` block has ended; see module doc."""
 
-    __slots__ = ("_cancelling", "_entered", "_expired", "_handle", "_task", "_when")
+    __slots__ = ("_cancelling", "_entered", "_expired", "_handle", "_task", "_timers", "_when")
 
-    def __init__(self, task: asyncio.Task[object], when: float) -> None:
+    def __init__(self, task: asyncio.Task[object], when: float, timers: OrderedTimers | None = None) -> None:
         self._task = task
         self._when = when
+        self._timers = timers  # where it waits, if it can (see module doc); None once it is not there
         self._handle: asyncio.Handle | None = None
         self._expired = False
         self._entered = False
@@ -45,8 +53,10 @@ class Deadline:
         loop = task.get_loop()
         if self._when <= loop.time():  # already past: before the task's next step, as asyncio's
             self._handle = loop.call_soon(self._expire)
-        else:
+            self._timers = None
+        elif self._timers is None or not self._timers.set_at(loop, self, self._when, self._expire):
             self._handle = loop.call_at(self._when, self._expire)
+            self._timers = None
         return self
 
     def __exit__(
@@ -56,6 +66,9 @@ class Deadline:
         if handle is not None:
             handle.cancel()
             self._handle = None
+        elif self._timers is not None:
+            self._timers.cancel(self)
+            self._timers = None
         if self._expired and self._task.uncancel() <= self._cancelling and exc_type is _CancelledError:
             raise TimeoutError from exc
 
@@ -65,5 +78,6 @@ class Deadline:
 
     def _expire(self) -> None:
         self._handle = None
+        self._timers = None
         self._expired = True
         self._task.cancel()

@@ -9,6 +9,11 @@ dict insert and cancelling it a removal, ~2.8 k instructions the pair (libev's "
 timeouts"; nginx and Envoy keep their timers in trees for the same reason). The loop timer fires at
 the oldest entry's deadline (to the loop clock's millisecond), runs every entry that is due, and is
 armed again for the next; an entry cancelled meanwhile costs nothing more.
+
+``OrderedTimers`` is the same for deadlines given as times: the request path's first-token and
+total deadlines are each the request's arrival plus one budget, so they too come in the order they
+fall due, almost always. One that would fall due before a pending one is refused (``set_at`` says
+so), and its caller arms a loop timer of its own.
 """
 
 from __future__ import annotations
@@ -17,38 +22,53 @@ import asyncio
 from collections.abc import Callable, Hashable
 
 
-class SameDelayTimers:
-    """``callback`` of each key set here runs ``delay`` seconds after it was set, unless cancelled.
+class OrderedTimers:
+    """``callback`` of each key set here runs at its time, unless cancelled; times must come in
+    order (``set_at``).
 
-    Bound to the loop of the first ``set``; set from another loop (a process that runs one after
+    Bound to the loop of the first ``set_at``; set from another loop (a process that runs one after
     another), it forgets what the previous loop left pending."""
 
-    __slots__ = ("_delay", "_due", "_handle", "_loop")
+    __slots__ = ("_armed", "_due", "_handle", "_last", "_loop")
 
-    def __init__(self, delay: float) -> None:
-        self._delay = delay
+    def __init__(self) -> None:
         self._due: dict[Hashable, tuple[float, Callable[[], object]]] = {}
         self._handle: asyncio.TimerHandle | object | None = None
+        self._armed = 0.0  # the time the loop timer is set for
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._last = 0.0  # the latest time set while any is pending: the map stays in time order
 
     @property
     def pending(self) -> int:
         """Timeouts set and not yet run or cancelled. (Not ``__len__``: an empty one is not false.)"""
         return len(self._due)
 
-    def set(self, loop: asyncio.AbstractEventLoop, key: Hashable, callback: Callable[[], object]) -> None:
-        """Run ``callback`` after the delay (a key already set starts again, with this callback)."""
+    def set_at(
+        self, loop: asyncio.AbstractEventLoop, key: Hashable, when: float, callback: Callable[[], object]
+    ) -> bool:
+        """Run ``callback`` at loop time ``when``; False, and nothing set, when a pending one falls
+        due after it. A key already set loses its old time either way."""
         if loop is not self._loop:
             self._due.clear()
             self._handle = None
             self._loop = loop
         due = self._due
-        when = loop.time() + self._delay
         if key in due:
             del due[key]  # to the end: the map stays in deadline order
+        if due:
+            if when < self._last:
+                return False
+        elif self._handle is not None and self._handle is not _EXPIRING and when < self._armed:
+            # Cancelled entries leave the loop timer armed for the first of them: later than this
+            # one, it would run it late. (Those of one delay never come before it.)
+            self._handle.cancel()  # type: ignore[union-attr]
+            self._handle = None
+        self._last = when
         due[key] = (when, callback)
         if self._handle is None:
             self._handle = loop.call_at(when, self._expire)
+            self._armed = when
+        return True
 
     def cancel(self, key: Hashable) -> None:
         """Forget ``key``'s timeout (nothing if it has none, or it has run)."""
@@ -83,7 +103,23 @@ class SameDelayTimers:
         finally:
             self._handle = None
             if due and self._loop is loop:
-                self._handle = loop.call_at(next(iter(due.values()))[0], self._expire)
+                self._armed = next(iter(due.values()))[0]
+                self._handle = loop.call_at(self._armed, self._expire)
+
+
+class SameDelayTimers(OrderedTimers):
+    """``callback`` of each key set here runs ``delay`` seconds after it was set, unless cancelled."""
+
+    __slots__ = ("_delay",)
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self._delay = delay
+
+    def set(self, loop: asyncio.AbstractEventLoop, key: Hashable, callback: Callable[[], object]) -> None:
+        """Run ``callback`` after the delay (a key already set starts again, with this callback).
+        The loop's clock never goes back, so each is due no earlier than those set before it."""
+        self.set_at(loop, key, loop.time() + self._delay, callback)
 
 
 _EXPIRING = object()  # stands in for the loop timer while due callbacks run (``_expire``)

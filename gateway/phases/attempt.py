@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from gateway.admit import ROUTE_PATHS, SENT, InferenceRequest
 from gateway.config import Config
+from gateway.deadlines import FIRST_TOKEN_DEADLINES
 from gateway.disconnect_watch import DisconnectWatch
 from gateway.errors import GatewayError, upstream_failed
 from gateway.exchange import Exchange, Receive
@@ -146,7 +147,7 @@ class Attempt:
             # connect and await the first token (streaming) or the answer's first byte, in time
             head = b""
             try:
-                with Deadline(ex.task, min(first_token_at, ex.deadline)):
+                with Deadline(ex.task, min(first_token_at, ex.deadline), FIRST_TOKEN_DEADLINES):
                     resp = await self._connect(ex, req, pod, ex.headers)
                     assert ex.watch is not None
                     ex.watch.upstream = resp
