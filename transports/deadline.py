@@ -38,7 +38,7 @@ class Deadline:
     def __init__(self, task: asyncio.Task[object], when: float, timers: OrderedTimers | None = None) -> None:
         self._task = task
         self._when = when
-        self._timers = timers  # where it waits, if it can (see module doc); None once it is not there
+        self._timers = timers  # where it waits when it can (see module doc)
         self._handle: asyncio.Handle | None = None
         self._expired = False
         self._entered = False
@@ -53,10 +53,8 @@ class Deadline:
         loop = task.get_loop()
         if self._when <= loop.time():  # already past: before the task's next step, as asyncio's
             self._handle = loop.call_soon(self._expire)
-            self._timers = None
         elif self._timers is None or not self._timers.set_at(loop, self, self._when, self._expire):
             self._handle = loop.call_at(self._when, self._expire)
-            self._timers = None
         return self
 
     def __exit__(
@@ -66,9 +64,8 @@ class Deadline:
         if handle is not None:
             handle.cancel()
             self._handle = None
-        elif self._timers is not None:
+        elif self._timers is not None:  # waiting in the shared timers (or run from them: nothing)
             self._timers.cancel(self)
-            self._timers = None
         if self._expired and self._task.uncancel() <= self._cancelling and exc_type is _CancelledError:
             raise TimeoutError from exc
 
@@ -78,6 +75,5 @@ class Deadline:
 
     def _expire(self) -> None:
         self._handle = None
-        self._timers = None
         self._expired = True
         self._task.cancel()
