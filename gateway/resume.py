@@ -364,10 +364,7 @@ class Recorder:
                 self.broken = True
             if self.splicer is not None and out:
                 out = self.splicer.chunk(out)
-            open_reads.append(out)
-            log.open_size += len(out)
-            if log.open_size >= _BLOCK:
-                log.seal()
+            log.append(out)  # (the first way below inlines it: it runs for every token)
             if out:
                 passed(out)
             if self.broken and on_break is not None:
