@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,7 +42,7 @@ _TOKEN_BUCKETS = (
 class GatewayMetrics:
     """All of the gateway's series, registered on one registry (one per gateway instance)."""
 
-    content_type = CONTENT_TYPE_LATEST
+    content_type: ClassVar[str] = CONTENT_TYPE_LATEST
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         if registry is None:

@@ -14,7 +14,9 @@ import json
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from gateway.admit import CHUNK_ROUTES, encode_body
 from transports import sse
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from gateway.usage import UsageTap
 
 
+@mypyc_attr(native_class=False)
 class RolledBack(PodBrokenError):
     """The gateway closed a canary pod's answer because its route's rollout rolled back
     (``rollout.on_rollback: resume``): a break to continue on stable, not the pod's fault."""
@@ -73,8 +76,12 @@ class Transcript:
                 continue
             if not isinstance(event, dict):
                 continue
-            out.id = out.id or event.get("id")
-            out.created = out.created or event.get("created")
+            # only values of the right type: a pod's stream is not trusted (and compiled, the
+            # attributes check what they are given)
+            if not out.id and isinstance(ident := event.get("id"), str):
+                out.id = ident
+            if not out.created and isinstance(created := event.get("created"), int):
+                out.created = created
             choices = event.get("choices")
             for choice in choices if isinstance(choices, list) else ():
                 if not isinstance(choice, dict):
@@ -167,7 +174,9 @@ class Splicer:
             payload = sse.event_data(event)
             if payload and self.new_created is None:
                 with contextlib.suppress(ValueError, AttributeError, RecursionError):
-                    self.new_created = json.loads(payload).get("created")
+                    created = json.loads(payload).get("created")
+                    if isinstance(created, int):  # a pod's bytes: only a number is taken
+                        self.new_created = created
             if self._skip_role and payload and b'"role"' in payload and b'"content":""' in payload:
                 continue
             self._skip_role = False
@@ -234,6 +243,7 @@ RAW_BUDGET = RawBudget(4 << 20)
 _BLOCK = 4096  # a sent log's block: what deflates well on its own, with a 4 KiB window
 
 
+@mypyc_attr(native_class=False)
 class _Deflated(bytes):
     """A sent log's block deflated past the budget (raw DEFLATE, 4 KiB window)."""
 
@@ -253,7 +263,7 @@ class SentLog:
 
     __slots__ = ("_blocks", "_held", "open_reads", "open_size")
 
-    BLOCK = _BLOCK
+    BLOCK: ClassVar[int] = _BLOCK
 
     def __init__(self) -> None:
         # The open block: the reads themselves (kept, not copied: a list append and an add a read),

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gateway.admit import CHUNK_ROUTES, InferenceRequest
 from gateway.completeness import FinishWatch, choices_of, incomplete
@@ -70,10 +71,10 @@ class StreamRelay:
         """
         try:
             head, _ = await read_first_token(resp, self.config.upstream.max_event_bytes)
-        except (sse.MalformedEvent, PodLineTooLong) as exc:
+        except (sse.MalformedEvent, PodLineTooLong) as bad:  # (one name per type: compiled, see docs)
             resp.close()
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
-            raise upstream_failed(pod.name, f"sent a malformed event before the first token: {exc}") from None
+            raise upstream_failed(pod.name, f"sent a malformed event before the first token: {bad}") from None
         except PodBrokenError as exc:
             self.metrics.upstream_errors.labels(pod.name, "broken_stream").inc()
             detail = f"broke the stream before the first token ({reason(exc)})."
@@ -226,11 +227,11 @@ class StreamRelay:
         except PodStalledError:
             self.registry.report_failure(pod, "stalled mid-stream")
             return ex.timeout("stall", self.metrics), True
-        except PodLineTooLong as exc:
+        except PodLineTooLong as too_long:  # (one name per type: compiled, a name has one type)
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
             self.registry.report_failure(pod, "oversized event")
             ex.detail = "upstream_truncated"
-            return upstream_truncated(pod.name, f"sent an oversized event ({reason(exc)})."), True
+            return upstream_truncated(pod.name, f"sent an oversized event ({reason(too_long)})."), True
         except RolledBack:  # the route's rollout rolled back: continue on stable (canary/rollback.py)
             ex.detail = "rollback"
             return upstream_truncated(pod.name, "was rolled back mid-answer."), True
@@ -248,7 +249,7 @@ class StreamRelay:
             if tap is None:  # tokens relayed on every ending, when no usage tap counts them
                 req = ex.req
                 no_usage = req is not None and not (resp.complete and wants_usage(req.payload))
-                if no_usage and not ex.prompt_estimate:  # as admission would estimate it
+                if no_usage and req is not None and not ex.prompt_estimate:  # as admission estimates it
                     ex.prompt_estimate = prompt_estimate(req.payload, self.config.quotas.chars_per_token)
                 if recorder is not None:  # what the client got of every pod, counted once
                     if no_usage:
@@ -292,7 +293,7 @@ class StreamRelay:
             ex.tried.append(pod)
             body = continuation_body(req.route, req.payload, done)
             cont = InferenceRequest(req.route, req.model, True, body, req.payload)
-            resp: PodResponse | None = None
+            resp: Any = None  # a PodResponse once connected (Any: see docs/architecture.md, compiled code)
             previous = recorder.splicer
             counting: asyncio.Task[int | None] | None = None
             if previous is None and wants_usage(req.payload):  # the client's prompt, counted meanwhile
@@ -344,7 +345,7 @@ class StreamRelay:
         ``/tokenize`` with the original messages and template options; None when it cannot say."""
         body = tokenize_body(req.route, req.payload)
         ask = InferenceRequest("tokenize", req.model, False, body, req.payload)
-        resp: PodResponse | None = None
+        resp: Any = None  # a PodResponse once connected (Any: see docs/architecture.md, compiled code)
         try:
             resp = await self._connect(ex, ask, pod, ex.headers)
             if resp.status != 200:

@@ -22,17 +22,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import types
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
+from gateway.exchange import Exchange
 from gateway.resume import Recorder
 from gateway.stream_relay import read_sink
 from gateway.usage import UsageTap
 from loadtest.bench_instructions import callgrind_total
 from transports.client_socket import ClientSocket
-from transports.pod_client import PodConnection
+from transports.pod_client import PodClient, PodConnection
 
 SHORT, LONG = 1000, 6000
 # a vLLM chat chunk of one token, as the pod simulator frames it (``loadtest/podsim/wire.py``)
@@ -58,18 +59,23 @@ class _Socket:
         return False
 
 
+async def _unused_send(message: dict[str, Any]) -> None:
+    raise AssertionError("the spliced path sends nothing through ASGI")
+
+
 class _Flow:
     write_paused = False
 
 
 async def drive(reads: int) -> int:
     """Feed ``reads`` one-token chunks through the spliced path; the bytes the client was sent."""
-    pool = types.SimpleNamespace(_forget=lambda conn: None, _park=lambda conn: None)
-    conn = PodConnection(pool, ("127.0.0.1", 1, None, None))  # type: ignore[arg-type]
+    # Real objects where the path keeps them (compiled, its calls check their arguments' types).
+    conn = PodConnection(PodClient(1.0, 60.0), ("127.0.0.1", 1, None, None))
     conn.connection_made(_Socket())  # type: ignore[arg-type]
     resp = conn.send_request(b"", b"")
     conn.data_received(HEAD)
-    exchange = types.SimpleNamespace(usage_injected=False, admission=object(), tokens_relayed=0)
+    exchange = Exchange("chat", "bench", _unused_send)
+    exchange.admission = object()  # a quota admitted it: the tap settles usage
     client = _Socket()
     socket = ClientSocket(client, _Flow())  # type: ignore[arg-type]
     resp.splice(read_sink(socket.writer(resp), resp, Recorder(), None, UsageTap(exchange)))  # type: ignore[arg-type]

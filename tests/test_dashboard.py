@@ -63,10 +63,10 @@ def exported(text: str) -> Series:
 
 
 def _declared_labels() -> dict[str, tuple[str, ...]]:
-    metrics = GatewayMetrics()
+    registry = GatewayMetrics().registry  # every series it declares (compiled, it has no __dict__)
     return {
         m._name: tuple(m._labelnames)
-        for m in vars(metrics).values()
+        for m in registry._collector_to_names
         if isinstance(m, Counter | Gauge | Histogram)
     }
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from gateway.config import PodConfig
 from gateway.degrade import as_sse
+from gateway.disconnect_watch import DisconnectWatch
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.pod_errors import pod_error
+from gateway.pods.registry import Pod
 from gateway.resume import Splicer, Transcript
 from gateway.whole_answer import relay_whole
 from tests.fuzz_strategies import json_values, mutated, nested, run_sync, splits, wire_sample
@@ -129,24 +131,24 @@ def test_spliced_usage_moves_the_resumed_tokens_from_prompt_to_completion(
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
-class _Exchange:
-    """The few parts of an Exchange that relay_whole uses."""
+def _exchange(degraded: bool | None, sent: list[dict[str, Any]]) -> Exchange:
+    """A real Exchange as relay_whole finds it: a pod picked, the client watched, nothing sent yet."""
 
-    count_tokens = Exchange.count_tokens
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
 
-    def __init__(self, degraded: bool | None) -> None:
-        self.deadline = asyncio.get_running_loop().time() + 60
-        self.task = asyncio.current_task()  # what the deadline would cancel
-        self.degraded, self.model_label, self.status = degraded, "m", 0
-        self.usage_injected, self.usage, self.route = False, None, "chat"
-        self.watch = SimpleNamespace(finished=False)
-        self.sent: list[dict[str, Any]] = []
+    async def receive() -> dict[str, Any]:  # a client that stays: its watch waits
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable")
 
-    def response_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", content_type)]
-
-    async def send(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
+    ex = Exchange("chat", "rid", send)
+    ex.deadline = asyncio.get_running_loop().time() + 60
+    ex.degraded, ex.model_label = degraded, "m"
+    ex.pod = Pod(PodConfig(name="p", url="http://127.0.0.1:1"))
+    task = asyncio.current_task()
+    assert task is not None
+    ex.watch = DisconnectWatch(receive, None, task)
+    return ex
 
 
 @given(
@@ -163,19 +165,20 @@ class _Exchange:
 def test_a_whole_answer_is_sent_as_is_or_refused_with_a_gateway_error(
     body: bytes, degraded: bool | None
 ) -> None:
-    async def relay() -> _Exchange:
-        ex = _Exchange(degraded)
+    sent_messages: list[dict[str, Any]] = []
+
+    async def relay() -> None:
+        ex = _exchange(degraded, sent_messages)
         metrics = GatewayMetrics(CollectorRegistry())
-        pod, answer = SimpleNamespace(name="p"), _PodAnswer(200, body, {})
-        await relay_whole(ex, pod, answer, b"application/json", metrics)  # type: ignore[arg-type]
-        return ex
+        answer = _PodAnswer(200, body, {})
+        await relay_whole(ex, ex.pod, answer, b"application/json", metrics)  # type: ignore[arg-type]
 
     try:
-        ex = asyncio.run(relay())
+        asyncio.run(relay())
     except GatewayError as exc:
         assert exc.status in (502, 503)
         return
-    start, sent = ex.sent
+    start, sent = sent_messages
     assert start["status"] == 200
     if degraded is None:
         assert sent["body"] == body and isinstance(json.loads(body), dict)

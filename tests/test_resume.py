@@ -7,7 +7,6 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -18,6 +17,7 @@ from gateway.resume import SentLog
 from gateway.usage import UsageTap
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
+from tests.exchanges import exchange
 
 FAST = ["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "2"]
 CHAT = {
@@ -243,8 +243,7 @@ def test_a_recorded_stream_under_a_quota_loses_only_the_usage_it_was_not_asked_f
         cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(1, 30))))
         reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
     strip = seed % 2 == 0
-    exchange = SimpleNamespace(usage_injected=strip, admission=object(), tokens_relayed=0)
-    tap = UsageTap(exchange)  # type: ignore[arg-type]
+    tap = UsageTap(exchange(usage_injected=strip, admission=object()))
 
     recorder = resume.Recorder()
     written: list[bytes] = []

@@ -9,7 +9,6 @@ import json
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import h2.connection
@@ -25,6 +24,7 @@ from loadtest.podsim import wire
 from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import counter_totals, pod_state, wait_for
+from tests.exchanges import exchange
 from tests.test_resume import resume_config
 
 # -- asking for usage ------------------------------------------------------------------------------
@@ -93,8 +93,8 @@ WITH = FMT.first + b"".join(TOKENS) + FMT.usage(21, 3) + wire.DONE
 
 
 def _tap(injected: bool) -> tuple[UsageTap, Any]:
-    ex = SimpleNamespace(usage_injected=injected, admission=None, tokens_relayed=0)
-    return UsageTap(ex), ex  # type: ignore[arg-type]
+    ex = exchange(usage_injected=injected)
+    return UsageTap(ex), ex
 
 
 HEAD = len(FMT.first) + len(TOKENS[0])  # what first_token hands over: up to the first token

@@ -67,7 +67,9 @@ class Deadline:
         elif self._timers is not None:  # waiting in the shared timers (or run from them: nothing)
             self._timers.cancel(self)
         if self._expired and self._task.uncancel() <= self._cancelling and exc_type is _CancelledError:
-            raise TimeoutError from exc
+            timeout = TimeoutError()
+            timeout.__cause__ = exc  # ``raise ... from exc``, spelled out: mypyc's build drops ``from``
+            raise timeout
 
     def expired(self) -> bool:
         """Whether the deadline passed while the block ran."""

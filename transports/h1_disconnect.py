@@ -26,6 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from mypy_extensions import mypyc_attr
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from transports.hangups import Pairing
@@ -34,6 +35,7 @@ from transports.light_event import LightEvent
 logger = logging.getLogger("sluicegate.relay")
 
 
+@mypyc_attr(native_class=False)  # compiled classes cannot subclass list
 class _Pipeline(list):  # type: ignore[type-arg]
     """uvicorn's queue of pipelined requests (``appendleft``, ``pop`` and truth are all it uses) as a
     list: an empty list holds no block, where uvicorn's deque holds 64 slots for the connection's
@@ -126,7 +128,7 @@ def trip_on_disconnect(
     complete), or None when ``receive`` belongs to neither; then the caller must await
     ``receive()`` itself. Calls ``on_gone`` at once if the client has already left.
     """
-    cycle = getattr(receive, "__self__", None)
+    cycle: Any = getattr(receive, "__self__", None)
     event = getattr(cycle, "message_event", None)
     if type(event) is not asyncio.Event or not isinstance(getattr(cycle, "disconnected", None), bool):
         watch = getattr(cycle, "watch_disconnect", None)

@@ -88,8 +88,8 @@ class HangupWatcher:
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self.shut_down = 0  # pod sockets shut down by the thread (for tests and metrics)
-        self._thread = threading.Thread(target=self._run, name="sluicegate-hangups", daemon=True)
-        self._thread.start()
+        self._epoll_thread = threading.Thread(target=self._run, name="sluicegate-hangups", daemon=True)
+        self._epoll_thread.start()
 
     # -- event loop side ---------------------------------------------------------------------------
 
@@ -172,7 +172,7 @@ class HangupWatcher:
 
     def close(self) -> None:
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=5)
+        self._epoll_thread.join(timeout=5)
         with self._lock:
             pairings, self._pairs = list(self._pairs.values()), {}
         for pairing in pairings:

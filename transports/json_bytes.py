@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_scan = json.JSONDecoder().scan_once  # the C scanner; it clears its memo after each call
+# the C scanner; it clears its memo after each call (not in typeshed's stubs)
+_scan = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 _JSON_SPACE = " \t\n\r"
 
 

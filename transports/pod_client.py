@@ -18,8 +18,10 @@ import asyncio
 import collections
 import os
 import ssl
+from typing import ClassVar
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 from transports.client_socket import Sink
 from transports.hangups import shut_down_fd
@@ -30,22 +32,27 @@ from transports.tls import tls_reason
 Key = tuple[str, int, ssl.SSLContext | None, str | None]  # host, port, TLS context, name checked
 
 
+@mypyc_attr(native_class=False)
 class PodConnectError(ConnectionError):
     """The pod could not be reached (refused, unreachable, or the connect timed out)."""
 
 
+@mypyc_attr(native_class=False)
 class PodConnectTimeout(PodConnectError):
     """The pod did not accept the connection within the connect timeout."""
 
 
+@mypyc_attr(native_class=False)
 class PodBrokenError(ConnectionError):
     """The pod's connection broke, or it sent bytes that are not HTTP, before the answer ended."""
 
 
+@mypyc_attr(native_class=False)
 class PodStalledError(PodBrokenError):
     """The pod went silent for longer than the stall timeout mid-answer (the gateway closed it)."""
 
 
+@mypyc_attr(native_class=False)
 class PodLineTooLong(PodBrokenError):
     """The pod sent more than ``max_line`` bytes without a newline (the gateway closed it)."""
 
@@ -121,7 +128,7 @@ class PodResponse:
         if sink is not None:
             sink(body)
             return
-        self._chunks.append(body)
+        self._chunks.append(body)  # type: ignore[union-attr]  # a deque again: not spliced
         self._wake()
 
     def _finish(self, error: BaseException | None = None) -> None:
@@ -463,8 +470,8 @@ class PodClient:
                 )
         except TimeoutError:
             raise PodConnectTimeout(f"connect to {key[0]}:{key[1]} timed out after {timeout_s:g} s") from None
-        except ssl.SSLError as exc:
-            raise PodConnectError(f"TLS handshake failed: {tls_reason(exc)}") from None
+        except ssl.SSLError as tls_error:  # (one name per type: compiled, a name has one type)
+            raise PodConnectError(f"TLS handshake failed: {tls_reason(tls_error)}") from None
         except OSError as exc:
             raise PodConnectError(exc.strerror or str(exc)) from None
         self._open.add(conn)
@@ -556,7 +563,8 @@ class StallWatch:
 
     __slots__ = ("_first", "_handle", "_loop", "_resp", "_stall_s")
 
-    FIRST_LOOK_LATE = 0.05  # of stall_s: how much later than its due time a first look may come
+    # of stall_s: how much later than its due time a first look may come
+    FIRST_LOOK_LATE: ClassVar[float] = 0.05
 
     def __init__(self, resp: PodResponse, stall_s: float) -> None:
         self._resp = resp

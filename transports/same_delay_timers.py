@@ -61,7 +61,7 @@ class OrderedTimers:
         elif self._handle is not None and self._handle is not _EXPIRING and when < self._armed:
             # Cancelled entries leave the loop timer armed for the first of them: later than this
             # one, it would run it late. (Those of one delay never come before it.)
-            self._handle.cancel()  # type: ignore[union-attr]
+            self._handle.cancel()  # type: ignore[union-attr,attr-defined]
             self._handle = None
         self._last = when
         due[key] = (when, callback)
@@ -91,7 +91,7 @@ class OrderedTimers:
             ready.append((key, entry))
         try:
             for key, entry in ready:
-                if due.get(key) is not entry:
+                if due.get(key) != entry:  # (not ``is``: compiled, a tuple is rebuilt when read back)
                     continue  # cancelled, or set again, by a callback that ran before it
                 del due[key]
                 try:

@@ -9,9 +9,9 @@ or a finish reason for every choice; for the Responses API, whose typed events e
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
+from collections.abc import Set
 from typing import Any
 
 from transports import json_bytes
@@ -141,7 +141,7 @@ def find_usage(tail: bytes) -> dict[str, int] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def responses_usage(usage: Any) -> dict[str, int] | None:
+def responses_usage(usage: Any) -> dict[str, Any] | None:
     """A Responses API ``usage`` (input/output tokens) in chat's terms (prompt/completion tokens)."""
     if not isinstance(usage, dict):
         return None
@@ -202,7 +202,7 @@ def _finished(payload: dict[str, Any]) -> list[int]:
 
 
 def stream_incomplete(
-    tail: bytes, choices: int = 1, finished: set[int] | frozenset[int] = frozenset()
+    tail: bytes, choices: int = 1, finished: Set[int] = frozenset()
 ) -> str | None:
     """Why a stream whose last bytes were ``tail`` did not end as a whole answer; None if it did.
 
@@ -238,7 +238,12 @@ def stream_incomplete(
         done.update(_finished(payload))
     if not last_ok:
         return "the stream ended on an event that is not a chunk of the answer"
-    missing = list(itertools.islice((i for i in range(choices) if i not in done), 8))  # n: the client's
+    missing: list[int] = []  # the first 8 at most: n is the client's (a loop, not islice over a generator
+    for i in range(choices):  # expression, which mypyc's build makes a whole list first)
+        if i not in done:
+            missing.append(i)
+            if len(missing) == 8:
+                break
     if missing:
         which = "its choice" if choices == 1 else f"choice(s) {', '.join(map(str, missing[:8]))}"
         return f"the stream ended without data: [DONE] and without a finish_reason for {which}"

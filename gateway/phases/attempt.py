@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from gateway.admit import ROUTE_PATHS, SENT, InferenceRequest
 from gateway.config import Config
@@ -139,7 +140,7 @@ class Attempt:
         pod.in_flight += 1
         gauge = self.metrics.child(self.metrics.in_flight, pod.name)
         gauge.inc()
-        resp: PodResponse | None = None
+        resp: Any = None  # a PodResponse once connected (Any: see docs/architecture.md, compiled code)
         now = ex.task.get_loop().time()
         first_token_at = ex.first_token_at if len(ex.attempts) == 0 else now + ex.budget.first_token_s  # type: ignore[union-attr]
         reported = False  # the outlier breaker hears of every attempt that says something about the pod
@@ -225,9 +226,9 @@ class Attempt:
             pod.last_error = f"connect: {_reason(exc)}"
             error = upstream_failed(pod.name, f"could not connect ({_reason(exc)}).")
             raise Retryable(error, "connect_error") from None
-        except PodBrokenError as exc:
+        except PodBrokenError as broken:  # (one name per type: compiled, a name has one type)
             self.metrics.upstream_errors.labels(pod.name, "protocol").inc()
-            error = upstream_failed(pod.name, f"connection failed ({_reason(exc)}).")
+            error = upstream_failed(pod.name, f"connection failed ({_reason(broken)}).")
             raise Retryable(error, "reset") from None
 
     async def _end_cut(self, ex: Exchange) -> None:

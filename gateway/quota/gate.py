@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluicegate.quota")
 
 MAX_PENDING = 100_000  # queued lease releases kept for a Redis that is down
-STORE_DOWN_RETRY_S = 1
+STORE_DOWN_RETRY_S = 1.0
 
 
 class Admission:
