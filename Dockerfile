@@ -1,7 +1,8 @@
 # Sluicegate gateway image: slim, non-root, `sluicegate serve` as the entrypoint.
-FROM python:3.11-slim AS build
+# The full image has the C compiler mypyc needs for the request path's modules (setup.py).
+FROM python:3.11 AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY gateway gateway
 COPY transports transports
 COPY loadtest loadtest

@@ -3,20 +3,42 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+NATIVE_STAMP := $(VENV)/.native-stamp
+# setup.py's NATIVE_MODULES, compiled in place: any source they may import changes, they are built again
+NATIVE_SOURCES := setup.py $(wildcard gateway/*.py gateway/*/*.py transports/*.py)
+NATIVE_BUILT   := gateway/*.so gateway/*/*.so transports/*.so *__mypyc*.so
 
 GRPCWEB_CLIENT := tests/grpcweb_client
 GRPCWEB_STAMP  := $(GRPCWEB_CLIENT)/node_modules/.installed-stamp
 K6_STAMP       := $(VENV)/.k6-installed-stamp
 
-.PHONY: setup run test lint fuzz bench soak clean
+.PHONY: setup native clean-native run test lint fuzz bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	SLUICEGATE_PURE_PYTHON=1 $(BIN)/python -m pip install --quiet -e '.[test,native]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The request path compiled with mypyc (setup.py). Without a C compiler the gateway runs as pure Python,
+# the same behaviour at a higher cost per token, and says so here.
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	@rm -f $(NATIVE_BUILT)
+	@if $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e . >$(VENV)/native-build.log 2>&1; then \
+		touch $@; \
+	else \
+		rm -f $(NATIVE_BUILT); \
+		SLUICEGATE_PURE_PYTHON=1 $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .; \
+		echo "native: mypyc could not compile the request path (see $(VENV)/native-build.log); running as pure Python"; \
+		touch $@; \
+	fi
+
+native: $(NATIVE_STAMP)
+
+clean-native:  ## back to pure Python in this tree (make native compiles again)
+	rm -f $(NATIVE_STAMP) $(NATIVE_BUILT)
+
+setup: $(STAMP) $(NATIVE_STAMP)
 
 run: setup  ## gateway on 127.0.0.1:8080 in front of three simulated pods on MIG slices
 	$(BIN)/sluicegate demo
@@ -99,4 +121,4 @@ compare-tools: setup $(K6_STAMP)  ## k6, Locust and sluicegate loadtest on the s
 	$(BIN)/python -m loadtest.compare_tools --write-md docs/load-testing.md --json .bench/compare-tools.json $(COMPARE_TOOLS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info $(GRPCWEB_CLIENT)/node_modules
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info build $(GRPCWEB_CLIENT)/node_modules $(NATIVE_BUILT)

@@ -727,8 +727,17 @@ def machine_summary(pin: bool) -> str:
     )
     return (
         f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}, "
+        f"the gateway's request path {request_path_build()}, "
         f"nginx {version or 'not installed'}; loopback; {pinning}; 1-min load average at start {load:.2f}"
     )
+
+
+def request_path_build() -> str:
+    """Whether the gateway measured runs its request path compiled (``make native``) or as Python."""
+    import transports.pod_client
+
+    compiled = not transports.pod_client.__file__.endswith(".py")
+    return "compiled with mypyc" if compiled else "pure Python (not compiled: make native)"
 
 
 def write_markdown(path: Path, section: str) -> None:

@@ -22,6 +22,26 @@ MIG_A = "MIG-2ce7a541-c516-5dbc-a76e-26cc100d9b55"
 MIG_B = "MIG-7a1d9f30-48c2-5e6b-8f0a-3b9c1d2e4f56"
 FAST = ["--ttft-ms", "5", "--itl-ms", "2"]
 MAX_BODY = 64 * 1024
+REPO = Path(__file__).resolve().parent.parent
+
+
+def stale_native_modules() -> list[str]:
+    """Sources edited since ``make native`` compiled them: Python would import the old build."""
+    stale = []
+    for built in [*REPO.glob("gateway/**/*.so"), *REPO.glob("transports/*.so")]:
+        source = built.with_name(built.name.split(".", 1)[0] + ".py")
+        if source.exists() and source.stat().st_mtime > built.stat().st_mtime:
+            stale.append(str(source.relative_to(REPO)))
+    return stale
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    stale = stale_native_modules()
+    if stale:
+        raise pytest.UsageError(
+            f"{', '.join(stale)} changed since mypyc compiled them: run `make native` "
+            "(or `make clean-native` to test the pure Python)"
+        )
 
 
 @dataclass
