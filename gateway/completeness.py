@@ -41,18 +41,25 @@ class FinishWatch:
             self.finished |= sse.finished_choices(body)
 
     def wrap(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        feed = self.feed
-
-        def watched(body: bytes) -> None:
-            feed(body)
-            sink(body)
-
-        return watched
+        return _WatchedSink(self, sink)
 
 
-def incomplete(
-    resp: PodResponse, choices: int, watch: FinishWatch | None, route: str = "chat"
-) -> str | None:
+class _WatchedSink:
+    """``FinishWatch.wrap``'s sink. A class, not a closure: compiled, a closure's variables live in
+    an object that holds the closure itself, a cycle only the garbage collector frees."""
+
+    __slots__ = ("sink", "watch")
+
+    def __init__(self, watch: FinishWatch, sink: Callable[[bytes], None]) -> None:
+        self.watch = watch
+        self.sink = sink
+
+    def __call__(self, body: bytes) -> None:
+        self.watch.feed(body)
+        self.sink(body)
+
+
+def incomplete(resp: PodResponse, choices: int, watch: FinishWatch | None, route: str = "chat") -> str | None:
     """Why ``resp``'s stream was not a whole answer, or None when it was.
 
     ``route`` picks the stream's grammar: chat and completions end with ``[DONE]`` or a finish

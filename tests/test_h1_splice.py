@@ -5,11 +5,16 @@ and the terminating chunk leave in one write, as nginx sends them."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 from urllib.parse import urlsplit
 
+from gateway.completeness import FinishWatch
+from gateway.resume import Recorder
+from gateway.usage import UsageTap
 from tests.conftest import Fleet
+from tests.exchanges import exchange
 from transports.client_socket import ClientSocket
 
 
@@ -56,6 +61,28 @@ def test_a_read_after_the_last_event_keeps_the_order() -> None:
     sink(b"data: late\n\n")  # a pod that went on: the held read goes out first
     assert transport.writes == [b"e\r\ndata: [DONE]\n\n\r\n", b"c\r\ndata: late\n\n\r\n"]
     assert target.take_tail() == b""
+
+
+def test_a_finished_stream_s_sinks_leave_nothing_for_the_garbage_collector() -> None:
+    """Every read passes through a chain of sinks (the finish watch, the recorder, the usage tap, the
+    client's socket). Once a stream lets go of them, reference counting frees them and what they hold:
+    none is a cycle. The request path is compiled, and compiled, a closure sits in a cycle with its
+    own variables; with the collector's young generation at 50,000 allocations, 2000 finished
+    streams' objects (~20 MB) were still held when the next 2000 started."""
+    ex = exchange(usage_injected=True)
+    gc.collect()
+    gc.disable()
+    try:
+        target, transport = _splice()
+        sink = FinishWatch().wrap(Recorder().sink(target.writer(_Pod()), None, UsageTap(ex)))
+        for word in ("a", "b"):
+            sink(b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % word.encode())
+        sink(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+        assert len(transport.writes) == 2 and target.take_tail().endswith(b"data: [DONE]\n\n")
+        del sink, target, transport
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_the_stream_ends_with_its_last_event_and_the_terminating_chunk_together(fleet: Fleet) -> None:

@@ -72,38 +72,48 @@ class ClientSocket:
 
     def writer(self, upstream: Upstream) -> Sink:
         """A sink for body chunks: frame, write, and pause ``upstream`` while the client is slow."""
-        transport = self.transport
-        write = transport.write
-        is_closing = transport.is_closing
-        flow = self.flow
-        drain: asyncio.Task[None] | None = None
+        return _ChunkSink(self, upstream)
 
-        async def resume_when_drained() -> None:
-            nonlocal drain
-            await flow.drain()  # uvicorn also releases this when the client disconnects
-            drain = None
-            upstream.resume_reading()
 
-        def sink(body: bytes) -> None:
-            nonlocal drain
-            if is_closing():
-                # The client left; the disconnect watch ends the request. Stop reading the pod now.
-                upstream.close()
-                return
-            if self.tail:  # a pod that went on after its last event: what was held goes first
-                held = self.take_tail()
-                write(b"%x\r\n%b\r\n" % (len(held), held))
-            # its last three bytes first: a slice's compare is cheaper than ``endswith``, and a
-            # token's read ends with "}\n\n"
-            if body[-3:] == _DONE_END and body.endswith(STREAM_END):
-                self.tail = body
-                return
-            write(b"%x\r\n%b\r\n" % (len(body), body))
-            if flow.write_paused and drain is None:
-                upstream.pause_reading()
-                drain = asyncio.ensure_future(resume_when_drained())
+class _ChunkSink:
+    """``ClientSocket.writer``'s sink: one call a pod read, so its reads are bound once, here.
 
-        return sink
+    A class, not a closure: compiled, a closure's variables live in an object that holds the
+    closure itself, a cycle only the garbage collector frees, and with it the whole request."""
+
+    __slots__ = ("drain", "flow", "is_closing", "socket", "upstream", "write")
+
+    def __init__(self, socket: ClientSocket, upstream: Upstream) -> None:
+        self.socket = socket
+        self.upstream = upstream
+        self.write = socket.transport.write
+        self.is_closing = socket.transport.is_closing
+        self.flow = socket.flow
+        self.drain: asyncio.Future[None] | None = None
+
+    def __call__(self, body: bytes) -> None:
+        if self.is_closing():
+            # The client left; the disconnect watch ends the request. Stop reading the pod now.
+            self.upstream.close()
+            return
+        socket = self.socket
+        if socket.tail:  # a pod that went on after its last event: what was held goes first
+            held = socket.take_tail()
+            self.write(b"%x\r\n%b\r\n" % (len(held), held))
+        # its last three bytes first: a slice's compare is cheaper than ``endswith``, and a
+        # token's read ends with "}\n\n"
+        if body[-3:] == _DONE_END and body.endswith(STREAM_END):
+            socket.tail = body
+            return
+        self.write(b"%x\r\n%b\r\n" % (len(body), body))
+        if self.flow.write_paused and self.drain is None:
+            self.upstream.pause_reading()
+            self.drain = asyncio.ensure_future(self._resume_when_drained())
+
+    async def _resume_when_drained(self) -> None:
+        await self.flow.drain()  # uvicorn also releases this when the client disconnects
+        self.drain = None
+        self.upstream.resume_reading()
 
 
 def _uvicorn_cycle(send: Callable[[dict[str, Any]], Awaitable[None]]) -> tuple[Any, Any, Any]:
