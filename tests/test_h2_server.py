@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import shutil
 import socket
@@ -41,7 +42,7 @@ from tests.conftest import Fleet, tls_config, wait_for
 from transports.asgi_stream import AsgiStream
 from transports.h1_disconnect import PromptH1Protocol, trip_on_disconnect
 from transports.h2_dispatch import CleartextDispatch
-from transports.h2_server import PREFACE, H2Settings
+from transports.h2_server import PREFACE, H2Protocol, H2Settings
 from transports.same_delay_timers import SameDelayTimers
 from transports.tls import self_signed, server_context
 
@@ -344,6 +345,39 @@ async def test_h2c_prior_knowledge_streams_sse(srv: Running) -> None:
     assert scope["scheme"] == "http" and scope["method"] == "POST" and scope["path"] == "/sse"
     assert scope["query_string"] == b"n=5" and scope["headers"][0] == (b"host", b"127.0.0.1:%d" % srv.port)
     assert scope["client"][0] == "127.0.0.1" and scope["server"] == ("127.0.0.1", srv.port)
+
+
+async def test_a_closed_connection_leaves_nothing_for_the_garbage_collector(tmp_path: Path) -> None:
+    """Once an HTTP/2 connection closes, reference counting frees its state (h2's HPACK tables,
+    stream map and buffers; the protocol's own): neither h2's frame handlers nor the protocol's
+    event handlers keep it in a cycle, which a connection that lived a while would leave until a
+    full collection. (The client's own h2 connection, in this process too, is not the server's.)"""
+    async with serving(tmp_path) as srv:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                async with httpx.AsyncClient(http1=False, http2=True) as client:
+                    resp = await client.post(srv.http + "/sse?n=2", content=b"x")
+                    assert resp.http_version == "HTTP/2" and resp.status_code == 200
+            connections = srv.server.server_state.connections
+            gone = await asyncio.to_thread(
+                wait_for, lambda: not any(isinstance(c, H2Protocol) for c in list(connections))
+            )
+            assert gone, "the server did not see its HTTP/2 connections close"
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = [
+                type(o).__name__
+                for o in gc.garbage
+                if isinstance(o, H2Protocol)
+                or (isinstance(o, h2.connection.H2Connection) and not o.config.client_side)
+            ]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert left == []
 
 
 async def test_tls_alpn_picks_h2_or_http11(srv: Running) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import h2.connection
 import h2.exceptions
 import h2.stream
 import h2.utilities
@@ -165,6 +166,18 @@ def utf8_encode_headers(headers: Any) -> list[Any]:
         if type(name) is not bytes or type(value) is not bytes:
             return _h2_utf8_encode_headers(headers)
     return headers
+
+
+def release(conn: h2.connection.H2Connection) -> None:
+    """Let go of a finished connection's frame handlers.
+
+    h2 keeps them as bound methods in a dict of the connection's own, so every connection is a
+    reference cycle: its HPACK tables, stream map and buffers (~80 objects) outlive the protocol
+    that let go of them until a collection of the generation they reached, for a connection that
+    lived a while the full one. Called once the connection is lost: nothing is parsed after that."""
+    table = getattr(conn, "_frame_dispatch_table", None)
+    if isinstance(table, dict):
+        table.clear()
 
 
 def apply() -> None:

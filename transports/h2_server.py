@@ -37,8 +37,9 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import h2.config
 import h2.connection
@@ -115,10 +116,12 @@ class H2Protocol(asyncio.Protocol):
         self._starts = stream_starts(self.loop)
         self.h2 = h2.connection.H2Connection(
             h2.config.H2Configuration(
-                client_side=False, header_encoding=None,
+                client_side=False,
+                header_encoding=None,
                 # response headers are checked and normalised once, by ``AsgiStream.send``; h2's
                 # own pass repeats it in ~10 Python calls a header (~15 % of a request's CPU)
-                validate_outbound_headers=False, normalize_outbound_headers=False,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
             )
         )
         self.h2.encoder = StatelessEncoder()  # no dynamic table, no Huffman: see its module
@@ -143,18 +146,6 @@ class H2Protocol(asyncio.Protocol):
         self.guard = FloodGuard(self.settings.limits, self.loop.time)
         self._priority_of_request: Any = None  # the PriorityUpdated h2 emits for a HEADERS' own flag
         self._write_stall_timer: asyncio.TimerHandle | None = None
-        self._handlers = {
-            h2.events.RequestReceived: self._on_request,
-            h2.events.DataReceived: self._on_data,
-            h2.events.StreamEnded: self._on_stream_ended,
-            h2.events.StreamReset: self._on_stream_reset,
-            h2.events.WindowUpdated: self._on_window_updated,
-            h2.events.RemoteSettingsChanged: self._on_settings_changed,
-            h2.events.ConnectionTerminated: self._on_goaway,
-            h2.events.PingReceived: self._on_ping,
-            h2.events.PriorityUpdated: self._on_priority,
-            h2.events.UnknownFrameReceived: self._on_unknown_frame,
-        }
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -204,11 +195,11 @@ class H2Protocol(asyncio.Protocol):
             logger.info("HTTP/2 protocol error from %s: %s", self.client, exc)
             self._hang_up()
             return False
-        handlers = self._handlers
+        handlers = self._HANDLERS
         for event in events:
             handler = handlers.get(type(event))
             if handler is not None:
-                handler(event)
+                handler(self, event)
                 if self.cut_off:
                     return False  # (``_calm``): the rest of what it sent is not worth reading
         return True
@@ -229,6 +220,7 @@ class H2Protocol(asyncio.Protocol):
             self._write_stall_timer.cancel()
             self._write_stall_timer = None
         self._lose_all()
+        h2_patches.release(self.h2)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -368,6 +360,21 @@ class H2Protocol(asyncio.Protocol):
 
     # -- StreamConnection (called by AsgiStream) -------------------------------------------------
 
+    # h2's event type -> its handler, on the class: the bound methods in a dict of each connection's
+    # own made every connection a cycle, freed only by a later (full) collection
+    _HANDLERS: ClassVar[dict[type[h2.events.Event], Callable[[H2Protocol, Any], None]]] = {
+        h2.events.RequestReceived: _on_request,
+        h2.events.DataReceived: _on_data,
+        h2.events.StreamEnded: _on_stream_ended,
+        h2.events.StreamReset: _on_stream_reset,
+        h2.events.WindowUpdated: _on_window_updated,
+        h2.events.RemoteSettingsChanged: _on_settings_changed,
+        h2.events.ConnectionTerminated: _on_goaway,
+        h2.events.PingReceived: _on_ping,
+        h2.events.PriorityUpdated: _on_priority,
+        h2.events.UnknownFrameReceived: _on_unknown_frame,
+    }
+
     def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
         headers.extend(self.server_state.default_headers)
         try:
@@ -447,8 +454,9 @@ class H2Protocol(asyncio.Protocol):
         """A chunk waited ``send_stall_s`` for the client's window or reads: reset the stream (the
         stream then reports itself lost, and the relay aborts the pod's generation)."""
         self._blocked.pop(stream.stream_id, None)
-        logger.info("HTTP/2 client %s: stream %d stalled on flow control, reset", self.client,
-                    stream.stream_id)
+        logger.info(
+            "HTTP/2 client %s: stream %d stalled on flow control, reset", self.client, stream.stream_id
+        )
         with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             self.h2.reset_stream(stream.stream_id, ErrorCodes.CANCEL)
         self._flush_soon()
@@ -552,8 +560,14 @@ class H2Protocol(asyncio.Protocol):
         """Answer a request the gateway will not serve with an OpenAI error, on its stream."""
         body = error_json(message, "request_header_fields_too_large")
         with contextlib.suppress(h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self.h2.send_headers(sid, [(b":status", b"%d" % status), (b"content-type", b"application/json"),
-                                       (b"content-length", b"%d" % len(body))])
+            self.h2.send_headers(
+                sid,
+                [
+                    (b":status", b"%d" % status),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            )
             self.h2.send_data(sid, body, end_stream=True)
             if not self.h2.streams[sid].closed:
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)  # the rest of the request is not wanted
