@@ -59,7 +59,9 @@ class _WatchedSink:
         self.sink(body)
 
 
-def incomplete(resp: PodResponse, choices: int, watch: FinishWatch | None, route: str = "chat") -> str | None:
+def incomplete(
+    resp: PodResponse, choices: int, watch: FinishWatch | None, route: str = "chat"
+) -> str | None:
     """Why ``resp``'s stream was not a whole answer, or None when it was.
 
     ``route`` picks the stream's grammar: chat and completions end with ``[DONE]`` or a finish

@@ -113,14 +113,8 @@ def continuation_body(route: str, payload: dict[str, Any], done: Transcript) -> 
 # What the original request's prompt is tokenized with on vLLM's ``/tokenize`` (TokenizeChatRequest):
 # the same template and options give the same count the first pod reported to itself.
 _TEMPLATE_KEYS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-    "tools",
-    "mm_processor_kwargs",
+    "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+    "chat_template_kwargs", "documents", "tools", "mm_processor_kwargs",
 )
 
 
@@ -363,15 +357,7 @@ class _RecordingSink:
     with it the whole request."""
 
     __slots__ = (
-        "error_event",
-        "log",
-        "on_break",
-        "open_reads",
-        "passed",
-        "recorder",
-        "tap",
-        "usage_mark",
-        "write",
+        "error_event", "log", "on_break", "open_reads", "passed", "recorder", "tap", "usage_mark", "write",
     )
 
     def __init__(

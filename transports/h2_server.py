@@ -116,12 +116,10 @@ class H2Protocol(asyncio.Protocol):
         self._starts = stream_starts(self.loop)
         self.h2 = h2.connection.H2Connection(
             h2.config.H2Configuration(
-                client_side=False,
-                header_encoding=None,
+                client_side=False, header_encoding=None,
                 # response headers are checked and normalised once, by ``AsgiStream.send``; h2's
                 # own pass repeats it in ~10 Python calls a header (~15 % of a request's CPU)
-                validate_outbound_headers=False,
-                normalize_outbound_headers=False,
+                validate_outbound_headers=False, normalize_outbound_headers=False,
             )
         )
         self.h2.encoder = StatelessEncoder()  # no dynamic table, no Huffman: see its module
@@ -358,8 +356,6 @@ class H2Protocol(asyncio.Protocol):
         self._lose_all()
         self._close()
 
-    # -- StreamConnection (called by AsgiStream) -------------------------------------------------
-
     # h2's event type -> its handler, on the class: the bound methods in a dict of each connection's
     # own made every connection a cycle, freed only by a later (full) collection
     _HANDLERS: ClassVar[dict[type[h2.events.Event], Callable[[H2Protocol, Any], None]]] = {
@@ -374,6 +370,8 @@ class H2Protocol(asyncio.Protocol):
         h2.events.PriorityUpdated: _on_priority,
         h2.events.UnknownFrameReceived: _on_unknown_frame,
     }
+
+    # -- StreamConnection (called by AsgiStream) -------------------------------------------------
 
     def send_headers(self, stream: AsgiStream, headers: Headers, end_stream: bool) -> None:
         headers.extend(self.server_state.default_headers)
