@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
 from loadtest.procs import GatewayProcess
@@ -233,6 +235,38 @@ async def test_a_client_gone_silent_is_a_disconnect_after_the_idle_timeout(tmp_p
         await asyncio.wait_for(rec.disconnect.wait(), 2)
         await asyncio.wait_for(rec.finished.wait(), 2)
         client.mute = client.deaf = False
+
+
+async def test_a_terminated_connection_leaves_nothing_for_the_garbage_collector(tmp_path: Path) -> None:
+    """Once a QUIC connection has ended, reference counting frees the server's side of it (aioquic's
+    connection with its streams, loss recovery and crypto contexts; the protocol): none of the
+    callbacks aioquic keeps to the connection itself, nor the server's handlers on the protocol,
+    hold it in a cycle. (The client's connections, in this process too, are not the server's.)"""
+    async with serving(tmp_path, h3=True) as srv:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                async with h3_client(udp_port(srv), srv.cert) as client:
+                    resp = client.request("/sse?n=2", body=b"x")
+                    await resp.until(lambda r=resp: r.ended)
+            connections = srv.server.server_state.connections
+            ended = await asyncio.to_thread(
+                wait_for, lambda: not any(isinstance(c, h3_server.H3Protocol) for c in list(connections))
+            )
+            assert ended, "the server's QUIC connections did not end"
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = [
+                type(o).__name__
+                for o in gc.garbage
+                if isinstance(o, h3_server.H3Protocol) or (isinstance(o, QuicConnection) and not o._is_client)
+            ]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert left == []
 
 
 async def test_a_stalled_client_blocks_send_with_bounded_buffers(h3srv: Running) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import Any
 
 from aioquic.quic.connection import QuicConnection, QuicNetworkPath
+from aioquic.quic.crypto import NoCallback
 from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.recovery import QuicPacketPacer
 from aioquic.quic.stream import QuicStream, QuicStreamFrame, QuicStreamSender
@@ -154,6 +155,34 @@ def _update_rate(self: QuicPacketPacer, congestion_window: int, smoothed_rtt: fl
     least = burst * (self.packet_time or 0.0)
     if self.bucket_max < least:
         self.bucket_max = least
+
+
+def _nothing(*args: Any) -> None:
+    pass
+
+
+def release(quic: QuicConnection) -> None:
+    """Let go of a terminated connection's callbacks to itself.
+
+    aioquic keeps them on the connection and its parts: the frame handlers (a dict of bound
+    methods), the loss recovery's probe, the TLS context's ALPN and traffic-key callbacks, each
+    crypto context's key-log partials. So every connection is a cycle (~350 objects, ~50 KB), left
+    for a collection of the generation it reached. Called once ``ConnectionTerminated`` arrives:
+    a terminated connection handles no datagram again and sets no timer."""
+    handlers = getattr(quic, "_QuicConnection__frame_handlers", None)
+    if isinstance(handlers, dict):
+        handlers.clear()
+    loss = getattr(quic, "_loss", None)
+    if loss is not None and hasattr(loss, "_send_probe"):
+        loss._send_probe = _nothing
+    tls_context = getattr(quic, "tls", None)
+    if tls_context is not None:
+        tls_context.alpn_cb = None
+        tls_context.update_traffic_key_cb = _nothing
+    for pairs in (getattr(quic, "_cryptos", None), getattr(quic, "_cryptos_initial", None)):
+        for pair in (pairs or {}).values():
+            for context in (pair.recv, pair.send):
+                context._setup_cb = context._teardown_cb = NoCallback
 
 
 def apply() -> None:

@@ -160,6 +160,14 @@ def _answer_refused(quic: QuicConnection, stream_id: int) -> bool:
     return stream is not None and stream.sender._reset_error_code is not None
 
 
+def _no_connection_id(connection_id: bytes) -> None:
+    pass
+
+
+def _nothing_more() -> None:
+    pass
+
+
 class H3Protocol(QuicConnectionProtocol):
     """One QUIC connection speaking HTTP/3 to the ASGI app."""
 
@@ -351,6 +359,11 @@ class H3Protocol(QuicConnectionProtocol):
             self.stats.connections -= 1
         for stream in list(self.streams.values()):
             stream.lost()
+        # the connection's own cycles (``h3_aioquic.release``), and the server's handlers, which
+        # hold this protocol (aioquic called them before this event reached us)
+        h3_aioquic.release(self._quic)
+        self._connection_id_issued_handler = self._connection_id_retired_handler = _no_connection_id
+        self._connection_terminated_handler = _nothing_more
 
     # -- StreamConnection (called by AsgiStream) -------------------------------------------------
 
