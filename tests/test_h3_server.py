@@ -40,6 +40,7 @@ from tests.test_h2_server import (
     _sse_text,
     aborted,
     client_context,
+    server_garbage,
     serving,
     tls_gateway,
 )
@@ -250,21 +251,13 @@ async def test_a_terminated_connection_leaves_nothing_for_the_garbage_collector(
                 async with h3_client(udp_port(srv), srv.cert) as client:
                     resp = client.request("/sse?n=2", body=b"x")
                     await resp.until(lambda r=resp: r.ended)
-            connections = srv.server.server_state.connections
-            ended = await asyncio.to_thread(
-                wait_for, lambda: not any(isinstance(c, h3_server.H3Protocol) for c in list(connections))
+            left = await server_garbage(
+                srv,
+                h3_server.H3Protocol,
+                lambda o: isinstance(o, h3_server.H3Protocol)
+                or (isinstance(o, QuicConnection) and not o._is_client),
             )
-            assert ended, "the server's QUIC connections did not end"
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            left = [
-                type(o).__name__
-                for o in gc.garbage
-                if isinstance(o, h3_server.H3Protocol) or (isinstance(o, QuicConnection) and not o._is_client)
-            ]
         finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
             gc.enable()
     assert left == []
 
