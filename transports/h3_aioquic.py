@@ -157,8 +157,8 @@ def _update_rate(self: QuicPacketPacer, congestion_window: int, smoothed_rtt: fl
         self.bucket_max = least
 
 
-def _nothing(*args: Any) -> None:
-    pass
+def ignore(*args: Any) -> None:
+    """A callback that does nothing: what ``release`` leaves in place of one to the connection."""
 
 
 def release(quic: QuicConnection) -> None:
@@ -174,11 +174,11 @@ def release(quic: QuicConnection) -> None:
         handlers.clear()
     loss = getattr(quic, "_loss", None)
     if loss is not None and hasattr(loss, "_send_probe"):
-        loss._send_probe = _nothing
+        loss._send_probe = ignore
     tls_context = getattr(quic, "tls", None)
     if tls_context is not None:
         tls_context.alpn_cb = None
-        tls_context.update_traffic_key_cb = _nothing
+        tls_context.update_traffic_key_cb = ignore
     for pairs in (getattr(quic, "_cryptos", None), getattr(quic, "_cryptos_initial", None)):
         for pair in (pairs or {}).values():
             for context in (pair.recv, pair.send):

@@ -160,14 +160,6 @@ def _answer_refused(quic: QuicConnection, stream_id: int) -> bool:
     return stream is not None and stream.sender._reset_error_code is not None
 
 
-def _no_connection_id(connection_id: bytes) -> None:
-    pass
-
-
-def _nothing_more() -> None:
-    pass
-
-
 class H3Protocol(QuicConnectionProtocol):
     """One QUIC connection speaking HTTP/3 to the ASGI app."""
 
@@ -362,8 +354,8 @@ class H3Protocol(QuicConnectionProtocol):
         # the connection's own cycles (``h3_aioquic.release``), and the server's handlers, which
         # hold this protocol (aioquic called them before this event reached us)
         h3_aioquic.release(self._quic)
-        self._connection_id_issued_handler = self._connection_id_retired_handler = _no_connection_id
-        self._connection_terminated_handler = _nothing_more
+        self._connection_id_issued_handler = self._connection_id_retired_handler = h3_aioquic.ignore
+        self._connection_terminated_handler = h3_aioquic.ignore
 
     # -- StreamConnection (called by AsgiStream) -------------------------------------------------
 

@@ -245,7 +245,7 @@ def stream_incomplete(
             if len(missing) == 8:
                 break
     if missing:
-        which = "its choice" if choices == 1 else f"choice(s) {', '.join(map(str, missing[:8]))}"
+        which = "its choice" if choices == 1 else f"choice(s) {', '.join(map(str, missing))}"
         return f"the stream ended without data: [DONE] and without a finish_reason for {which}"
     return None
 
