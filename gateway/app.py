@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,8 +28,6 @@ from gateway.auth import KeyStore, load_key_store
 from gateway.collector import settle_after_startup
 from gateway.config import Config
 from gateway.errors import model_not_found
-from gateway.grpc_web import PREFIX as GRPC_WEB_PREFIX
-from gateway.grpc_web import GrpcWebEndpoint
 from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.phases.limit import build_quotas
@@ -42,6 +41,9 @@ from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
 
 log = logging.getLogger("sluicegate")
+
+# gRPC-Web's calls (``gateway.grpc_web.PREFIX``, named here so that the endpoint loads on its first call)
+GRPC_WEB_PREFIX = "/sluicegate.v1.Inference/"
 
 
 class _Lookup:
@@ -88,7 +90,7 @@ class Gateway:
         )
         if isinstance(keys, KeyStore):
             self.metrics.watch_key_store(keys)
-        self.grpc_web = GrpcWebEndpoint(self.relay)  # any origin may call it (CORS); see docs/grpc-web.md
+        self._grpc_web: Any = None  # the endpoint, built on the first gRPC-Web call (``grpc_web``)
         self.metrics.watch_runtime(
             lambda: len(asyncio.all_tasks()),
             lambda: self._pod_client.open_connections if self._pod_client else 0,
@@ -126,9 +128,19 @@ class Gateway:
                 await self.relay(scope, receive, send, route)
                 return
             if scope["path"].startswith(GRPC_WEB_PREFIX):
-                await self.grpc_web(scope, receive, send)
+                await (self._grpc_web or await self.grpc_web())(scope, receive, send)
                 return
         await self.control(scope, receive, send)
+
+    async def grpc_web(self) -> Any:
+        """The gRPC-Web endpoint (any origin may call it: CORS, docs/grpc-web.md), loaded when first
+        called: it and protobuf are ~3 MB in every worker that serves no gRPC-Web. The ~20 ms import
+        runs on a thread, so streams in flight keep flowing meanwhile."""
+        if self._grpc_web is None:
+            module = await asyncio.to_thread(importlib.import_module, "gateway.grpc_web")
+            if self._grpc_web is None:  # another first call may have built it meanwhile
+                self._grpc_web = module.GrpcWebEndpoint(self.relay)
+        return self._grpc_web
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:

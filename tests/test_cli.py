@@ -128,12 +128,13 @@ def test_a_gateway_without_auth_says_so_at_start(auth: dict[str, object], args: 
 def test_serving_loads_none_of_the_tool_commands_modules() -> None:
     """Every worker of a gateway pays for what its process imports: the pod simulator, the mig-agent
     and aiohttp (~9 MB resident; the health loops' GETs run on probe threads) stay out unless their
-    command runs, and their commands still parse."""
+    command runs, and their commands still parse; gRPC-Web and protobuf (~3 MB) until its first call."""
     probe = (
         "import sys; from gateway.cli import build_parser; "
         "build_parser('serve').parse_args(['serve', '--upstream', 'http://127.0.0.1:1']); "
         "import gateway.app, gateway.server, gateway.workers.worker; "
-        "print(sorted(m for m in ('aiohttp', 'loadtest.podsim.server', 'gateway.migagent') "
+        "print(sorted(m for m in ('aiohttp', 'loadtest.podsim.server', 'gateway.migagent', "
+        "'gateway.grpc_web', 'google.protobuf') "
         "if m in sys.modules)); "
         "build_parser('podsim').parse_args(['podsim', '--ttft-ms', '5']); "
         "build_parser('mig-agent').parse_args(['mig-agent', '--poll-ms', '100'])"

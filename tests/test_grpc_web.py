@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,21 @@ def test_grpc_web_text_mode_carries_the_same_answer(fleet: Fleet) -> None:
     resp, payloads, status = grpc_web(fleet.url, "ChatCompletion", ASK, text=True)
     assert status == {"grpc-status": "0"} and len(payloads) == 1
     assert pb.ChatCompletion.FromString(payloads[0]).choices[0].message.content == expected
+
+
+def test_a_new_gateway_answers_concurrent_first_calls_alike(fleet: Fleet) -> None:
+    """The endpoint loads on a gateway's first gRPC-Web call; calls that arrive together while it
+    loads all get the whole answer."""
+    config = {"pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}]}
+    with GatewayProcess(config) as gateway, ThreadPoolExecutor(6) as pool:
+        calls = [pool.submit(grpc_web, gateway.url, "StreamChatCompletion", ASK) for _ in range(6)]
+        answers = [call.result() for call in calls]
+    texts = set()
+    for resp, payloads, status in answers:
+        assert resp.status_code == 200 and status == {"grpc-status": "0"}
+        chunks = [pb.ChatCompletionChunk.FromString(p) for p in payloads]
+        texts.add("".join(c.choices[0].delta.content for c in chunks if c.choices))
+    assert len(texts) == 1 and len(texts.pop().split()) == 12
 
 
 # -- errors as gRPC codes ------------------------------------------------------------------------------
