@@ -69,7 +69,8 @@ test: setup lint $(GRPCWEB_STAMP) $(K6_STAMP)  ## unit and system tests over rea
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
 		echo "test: chromium could not be installed; the browser CORS tests will be skipped"
-	$(BIN)/python -m pytest -q
+	@# two processes: most tests wait on real sockets and subprocesses, so two halve the time on two cores
+	$(BIN)/python -m pytest -q -n 2
 
 fuzz: setup  ## the property tests of every parser a remote party feeds, with many more examples
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_fuzz_*.py -p no:cacheprovider --timeout=900
