@@ -181,7 +181,7 @@ def test_sent_log_gives_back_every_byte_across_blocks(budget: str, monkeypatch: 
     if budget == "room":
         assert not any(isinstance(block, resume._Deflated) for block in log._blocks)
     else:
-        assert sum(map(len, log._blocks)) < len(stream) // 5  # it did compress
+        assert sum(map(len, log._blocks)) < len(stream) // 12  # it did compress, its first bytes preset
     assert SentLog().getvalue() == b""
 
 
