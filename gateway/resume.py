@@ -261,10 +261,11 @@ class SentLog:
     ~50 MB of the gateway's peak memory. The chunks repeat themselves (same id, model, created,
     keys), so a full block of ``BLOCK`` bytes deflates well on its own (a small window: ~24 KB of
     zlib state while it runs), ~28x with the log's first ``_DICT`` bytes as zlib's preset
-    dictionary, which holds those repeated parts before the block's first byte. Deflating is
-    ~10 % of a token's instructions, though, so full blocks are kept as they are while the
-    process's ``RAW_BUDGET`` lasts (given back when the log goes), and only those past it are
-    deflated; the last, partial block stays raw, so it is kept short: at 2000 slow streams the
+    dictionary, which holds those repeated parts before the block's first byte. Deflating adds
+    ~4.4 k instructions to a read of ~9.5 k (``bench_readpath`` with no budget), if little time
+    (zlib runs ~1 % of the CPU at 2000 slow streams, perf), so full blocks are kept as they are
+    while the process's ``RAW_BUDGET`` lasts (given back when the log goes), and only those past it
+    are deflated; the last, partial block stays raw, so it is kept short: at 2000 slow streams the
     open blocks were the largest part of resume's memory.
     """
 
