@@ -10,6 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.podsim.launch import PodsimProcess
 from loadtest.procs import GatewayProcess
 from tests.conftest import MAX_BODY, MIG_A, Fleet, gateway_in_flight, pod_aborts, wait_for
 
@@ -337,22 +338,28 @@ def test_access_log_lines_look_like_every_log_line_and_follow_the_log_level(flee
         assert "sluicegate.access" not in quiet.log()
 
 
-def test_the_access_log_can_be_json_lines(fleet: Fleet) -> None:
-    config = {"server": {"host": "127.0.0.1", "access_log_format": "json"},
-              "pods": [{"name": "pod-a", "url": fleet.pod_a.url, "models": ["llama-8b"]}]}  # fmt: skip
-    with GatewayProcess(config) as gw:
-        ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True},
-                        headers={"x-request-id": "json-1"}, timeout=30)  # fmt: skip
-        assert ok.status_code == 200
-        httpx.post(gw.url + "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user"}]},
-                   headers={"x-request-id": "json-2"}, timeout=30)  # fmt: skip
-        fault = {"x-request-id": "json-3", "x-podsim-fault": "error_after=2"}
-        broken = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
-                            headers=fault)  # fmt: skip
-        assert broken.status_code == 200 and '"error"' in broken.text  # the pod's own event, passed on
-        gw.stop()
-        lines = [line.split("sluicegate.access: ", 1)[1] for line in gw.log().splitlines()
-                 if "sluicegate.access: " in line]  # fmt: skip
+def test_the_access_log_can_be_json_lines() -> None:
+    # A pod paced as a real one is (25 ms a token). Without usage asked for and no quota, the
+    # gateway counts a stream's tokens by the pod's reads, one token each at that pace; the fleet's
+    # 2 ms tokens can come two to a read when the machine is busy, and count once.
+    paced = PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "25"])
+    with paced as pod:
+        config = {"server": {"host": "127.0.0.1", "access_log_format": "json"},
+                  "pods": [{"name": "pod-a", "url": pod.url, "models": ["llama-8b"]}]}  # fmt: skip
+        with GatewayProcess(config) as gw:
+            ok = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                            headers={"x-request-id": "json-1"}, timeout=30)  # fmt: skip
+            assert ok.status_code == 200
+            unknown = {"model": "nope", "messages": [{"role": "user"}]}
+            httpx.post(gw.url + "/v1/chat/completions", json=unknown, headers={"x-request-id": "json-2"},
+                       timeout=30)  # fmt: skip
+            fault = {"x-request-id": "json-3", "x-podsim-fault": "error_after=2"}
+            broken = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30,
+                                headers=fault)  # fmt: skip
+            assert broken.status_code == 200 and '"error"' in broken.text  # the pod's own event, passed on
+            gw.stop()
+            lines = [line.split("sluicegate.access: ", 1)[1] for line in gw.log().splitlines()
+                     if "sluicegate.access: " in line]  # fmt: skip
     records = {r["request_id"]: r for r in map(json.loads, lines)}
     good, missing = records["json-1"], records["json-2"]
     assert (good["status"], good["pod"], good["transport"], good["stream"]) == (200, "pod-a", "h1", True)
