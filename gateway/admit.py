@@ -28,6 +28,9 @@ ROUTES = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
+# gRPC-Web's calls: ``sluicegate.v1.Inference``'s methods, translated to the chat route by
+# ``gateway/grpc_web.py``, which the app loads on the first of them.
+GRPC_WEB_PREFIX = "/sluicegate.v1.Inference/"
 # Each route's path on the pod (vLLM serves them under the same paths).
 ROUTE_PATHS = {route: path for path, route in ROUTES.items()}
 # The routes whose answers may stream (``stream: true``); the others ignore the field, as vLLM does.

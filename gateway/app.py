@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admin import AdminKey, AdminPlane, KeyLookup, http_error
-from gateway.admit import ROUTES
+from gateway.admit import GRPC_WEB_PREFIX, ROUTES
 from gateway.auth import KeyStore, load_key_store
 from gateway.collector import settle_after_startup
 from gateway.config import Config
@@ -41,9 +41,6 @@ from transports.hangups import HangupWatcher
 from transports.pod_client import PodClient
 
 log = logging.getLogger("sluicegate")
-
-# gRPC-Web's calls (``gateway.grpc_web.PREFIX``, named here so that the endpoint loads on its first call)
-GRPC_WEB_PREFIX = "/sluicegate.v1.Inference/"
 
 
 class _Lookup:

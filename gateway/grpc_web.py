@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 
+from gateway.admit import GRPC_WEB_PREFIX as PREFIX
 from gateway.deadlines import CLIENT_TIMEOUT_HEADER
 from gateway.grpc_web_call import Call, header, trailers_only
 from gateway.grpc_web_chunks import ChunkEncoder, parse_json
@@ -50,8 +51,6 @@ from transports.grpc_web import Status
 __all__ = ["ChunkEncoder", "GrpcWebEndpoint", "chunk_message", "openai_body", "parse_json"]
 
 
-SERVICE = "sluicegate.v1.Inference"
-PREFIX = f"/{SERVICE}/"
 METHODS = {"StreamChatCompletion": True, "ChatCompletion": False}  # method → server streaming?
 
 ALLOW_HEADERS = ("content-type", "x-grpc-web", "x-user-agent", "grpc-timeout", "authorization",

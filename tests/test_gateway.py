@@ -342,8 +342,7 @@ def test_the_access_log_can_be_json_lines() -> None:
     # A pod paced as a real one is (25 ms a token). Without usage asked for and no quota, the
     # gateway counts a stream's tokens by the pod's reads, one token each at that pace; the fleet's
     # 2 ms tokens can come two to a read when the machine is busy, and count once.
-    paced = PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "25"])
-    with paced as pod:
+    with PodsimProcess(["--model", "llama-8b", "--ttft-ms", "5", "--itl-ms", "25"]) as pod:
         config = {"server": {"host": "127.0.0.1", "access_log_format": "json"},
                   "pods": [{"name": "pod-a", "url": pod.url, "models": ["llama-8b"]}]}  # fmt: skip
         with GatewayProcess(config) as gw:

@@ -658,7 +658,8 @@ async def test_the_relays_splice_writes_the_same_frames_to_the_client_socket(tex
 
 
 def test_the_app_routes_to_grpc_web_by_the_endpoint_s_own_prefix() -> None:
-    """The app names the prefix itself, so that the endpoint (and protobuf) load on the first call."""
+    """The app routes by the prefix without importing the endpoint, so that it (and protobuf) load
+    on the first call."""
     from gateway import app, grpc_web
 
     assert app.GRPC_WEB_PREFIX == grpc_web.PREFIX
